@@ -1,0 +1,75 @@
+"""The drafter interface: every drafting method proposes candidate beams the same way.
+
+A step of the engine gives the drafter a ``DraftContext`` and receives a ``Proposal``:
+beams (B, W, L) whose first column is g0 (the token the target chose last, already
+final), the rest candidate continuations. The engine verifies all beams in one target
+pass, keeps the longest acceptable prefix, and calls ``observe`` with the outcome so that
+stateful drafters (a draft model's KV cache, a recurrent head's inputs) stay in step.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftContext:
+    """What a drafter may read at a step. B rows in the engine's current batch order.
+
+    tokens:  list of B 1D long tensors, each row's prompt + generated tokens (g0 last)
+    g0:      (B,) long, the token the target chose last (= tokens[b][-1])
+    hidden:  (B, d) float, the target's last-layer hidden state (after its final norm) at
+             the token before g0: the state whose logits chose g0
+    budget:  (B,) long, at most how many tokens (g0 included) a beam may usefully hold
+    greedy:  (B,) bool, rows decoded greedily (others sample)
+    row_ids: list of B request ids, stable while a request is in flight
+    """
+
+    tokens: list[torch.Tensor]
+    g0: torch.Tensor
+    hidden: torch.Tensor
+    budget: torch.Tensor
+    greedy: torch.Tensor
+    row_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Proposal:
+    """beams (B, W, L) long with beams[:, :, 0] == g0; valid (B, W, L) bool, prefix-closed.
+
+    ``q`` is set only by drafters that *sample* their drafts: (B, L-1, V), the
+    distribution each drafted token was drawn from (then W must be 1). Drafters with
+    deterministic candidates leave it None, and sampling rows use recursive rejection.
+    """
+
+    beams: torch.Tensor
+    valid: torch.Tensor
+    q: torch.Tensor | None = None
+
+
+class Drafter(ABC):
+    """One small interface for every drafting method."""
+
+    name: str = "drafter"
+
+    def start(self, ctx: DraftContext) -> None:
+        """New rows were prefilled (the whole batch, in the context's order)."""
+
+    @abstractmethod
+    def propose(self, ctx: DraftContext) -> Proposal:
+        """Candidates to verify for each row of ``ctx``."""
+
+    def observe(self, ctx: DraftContext, accepted: torch.Tensor, n_accepted: torch.Tensor) -> None:
+        """After verification: row b kept accepted[b, :n_accepted[b]] (g0 first)."""
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Rows not in ``keep`` (1D long, new order) have left the batch."""
+
+
+def single_beam(g0: torch.Tensor) -> Proposal:
+    """The trivial proposal: just g0, i.e. one autoregressive step."""
+    beams = g0[:, None, None]
+    return Proposal(beams=beams, valid=torch.ones_like(beams, dtype=torch.bool))

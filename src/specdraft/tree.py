@@ -1,0 +1,124 @@
+"""Dynamic tree attention: verify every candidate beam in one target forward pass.
+
+Beams share prefixes (all start with the token the target chose last, many share more).
+``pack_beams`` keeps each distinct prefix once, and says for every packed token which
+packed tokens it may attend to (its ancestors and itself). The target then runs on the
+packed tokens with a 4D boolean mask and explicit position ids; ``TreeBatch.unpack`` maps
+each (beam, depth) back to the packed position whose logits/hidden state belong to it.
+
+Shapes: B rows (sequences), W beams per row, L tokens per beam, N packed tokens per row
+(N = max over rows of the distinct prefixes; shorter rows are padded). Everything is
+vectorised over B, W and L: there is no Python loop over beams or tokens.
+
+Packed order is depth-major (all depth-0 tokens, then depth 1, ...; within a depth by
+beam index), so a parent always precedes its children.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TreeBatch:
+    """A packed candidate tree per row.
+
+    tokens:  (B, N) long   packed token ids (padding slots hold token 0)
+    depth:   (B, N) long   depth of each packed token (0 = the root g0); padding: 0
+    mask:    (B, N, N) bool  mask[b, t, s] = packed token s is t itself or an ancestor of t;
+                             padding tokens see only themselves (so no attention row is empty)
+    real:    (B, N) bool   False on padding slots
+    unpack:  (B, W, L) long  packed position of beam w's token at depth l (0 where invalid)
+    owner:   (B, W, L) long  smallest beam index sharing beam w's prefix through depth l
+    valid:   (B, W, L) bool  the candidate mask the tree was built from (prefix-closed)
+    """
+
+    tokens: torch.Tensor
+    depth: torch.Tensor
+    mask: torch.Tensor
+    real: torch.Tensor
+    unpack: torch.Tensor
+    owner: torch.Tensor
+    valid: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+    def select(self, rows: torch.Tensor) -> "TreeBatch":
+        """The same tree restricted to ``rows`` (1D long)."""
+        return TreeBatch(**{k: getattr(self, k).index_select(0, rows) for k in self.__dataclass_fields__})
+
+
+def prefix_owner(beams: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """owner[b, i, j] = smallest beam k whose first j+1 tokens equal beam i's (k <= i).
+
+    beams, valid: (B, W, L). Where valid[b, i, j] is False the owner is i itself (unused).
+    """
+    same = (beams[:, :, None, :] == beams[:, None, :, :])
+    same &= valid[:, :, None, :] & valid[:, None, :, :]
+    # A shared prefix through depth j needs equality at every depth up to j.
+    shared = same.to(torch.int8).cumprod(dim=-1).bool()  # (B, W_i, W_k, L)
+    # argmax returns the first maximal index: the smallest matching beam k.
+    owner = shared.to(torch.int8).argmax(dim=2)  # (B, W, L)
+    self_idx = torch.arange(beams.shape[1], device=beams.device)[None, :, None]
+    return torch.where(valid, owner, self_idx.expand_as(owner))
+
+
+def pack_beams(beams: torch.Tensor, valid: torch.Tensor | None = None) -> TreeBatch:
+    """Deduplicate shared prefixes of ``beams`` (B, W, L) into a packed tree.
+
+    ``valid`` (B, W, L) marks which candidate tokens exist; it must be prefix-closed
+    (a valid token has all earlier tokens of its beam valid) and valid[:, :, 0] all True.
+    """
+    B, W, L = beams.shape
+    device = beams.device
+    if valid is None:
+        valid = torch.ones_like(beams, dtype=torch.bool)
+    owner = prefix_owner(beams, valid)
+    beam_idx = torch.arange(W, device=device)[None, :, None]
+    owns = (owner == beam_idx) & valid  # (B, W, L): this beam contributes this token
+
+    # Depth-major flattening so that parents come before children.
+    owns_flat = owns.transpose(1, 2).reshape(B, L * W)
+    n_tokens = owns_flat.sum(dim=1)
+    N = int(n_tokens.max())
+    slot = owns_flat.long().cumsum(dim=1) - 1  # packed position of each owned token
+    slot_of = slot.reshape(B, L, W).transpose(1, 2)  # (B, W, L), meaningful where owns
+
+    # Each (beam, depth) reads the slot of the beam that owns that prefix.
+    unpack = torch.gather(slot_of, 1, owner)
+    unpack = torch.where(valid, unpack, torch.zeros_like(unpack))
+
+    # Scatter owned tokens into their packed slots; unused slots stay as padding.
+    dump = torch.full_like(slot, N)  # non-owned entries go to an overflow column
+    target = torch.where(owns_flat, slot, dump)
+    depth_flat = torch.arange(L, device=device).repeat_interleave(W)[None, :].expand(B, -1)
+    tokens = torch.zeros(B, N + 1, dtype=beams.dtype, device=device)
+    tokens.scatter_(1, target, beams.transpose(1, 2).reshape(B, L * W))
+    depth = torch.zeros(B, N + 1, dtype=torch.long, device=device)
+    depth.scatter_(1, target, depth_flat)
+    real = torch.arange(N, device=device)[None, :] < n_tokens[:, None]
+
+    # Ancestor mask: a beam's token at depth j sees its beam's slots at depths <= j.
+    onehot = torch.nn.functional.one_hot(unpack, N).bool() & valid[..., None]
+    path = onehot.to(torch.int8).cumsum(dim=2).bool()  # (B, W, L, N): slots on the path to (w, j)
+    rows = torch.zeros(B, N + 1, N, dtype=torch.bool, device=device)
+    rows.scatter_(1, target[:, :, None].expand(-1, -1, N), path.transpose(1, 2).reshape(B, L * W, N))
+    mask = rows[:, :N]
+    # Padding slots attend to themselves only, so softmax never sees an all-masked row.
+    eye = torch.eye(N, dtype=torch.bool, device=device)[None]
+    mask = mask | (eye & ~real[:, :, None])
+    return TreeBatch(tokens=tokens[:, :N], depth=depth[:, :N], mask=mask, real=real,
+                     unpack=unpack, owner=owner, valid=valid)
+
+
+def unpack_beams(tree: TreeBatch) -> torch.Tensor:
+    """Inverse of packing: (B, W, L) token ids read back from the packed tokens.
+
+    Invalid candidate positions come back as 0.
+    """
+    out = torch.gather(tree.tokens, 1, tree.unpack.flatten(1)).view_as(tree.unpack)
+    return torch.where(tree.valid, out, torch.zeros_like(out))
