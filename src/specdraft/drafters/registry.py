@@ -1,0 +1,33 @@
+"""Build a drafter from its command-line spec: none | lookup | redrafter:PATH | draft:PATH."""
+
+from __future__ import annotations
+
+from ..errors import SpecdraftError
+from .autoregressive import NoDrafter
+from .base import Drafter
+from .lookup import LookupDrafter
+
+KINDS = ("none", "lookup", "redrafter:PATH", "draft:PATH")
+
+
+def build_drafter(spec: str, target, beam_width: int | None = None, beam_length: int | None = None,
+                  gamma: int | None = None) -> Drafter:
+    """A drafter for ``target``. Unset shapes take the drafter's own defaults."""
+    for name, value in (("beam width", beam_width), ("beam length", beam_length), ("gamma", gamma)):
+        if value is not None and value < 1:
+            raise SpecdraftError(f"{name} must be >= 1, got {value}")
+    kind, _, path = spec.partition(":")
+    if kind == "none" and not path:
+        return NoDrafter()
+    if kind == "lookup" and not path:
+        return LookupDrafter(beam_width=beam_width or 1, beam_length=beam_length or 8)
+    if kind == "draft" and path:
+        from .draft_model import DraftModelDrafter
+
+        return DraftModelDrafter.load(path, target, gamma=gamma or (beam_length - 1 if beam_length else None),
+                                      beam_width=beam_width)
+    if kind == "redrafter" and path:
+        from .redrafter import ReDrafter
+
+        return ReDrafter.load(path, target, beam_width=beam_width, beam_length=beam_length)
+    raise SpecdraftError(f"unknown drafter {spec!r}; choose one of: {', '.join(KINDS)}")

