@@ -1,0 +1,75 @@
+"""Adversarial drafters for exactness tests: they never change what the engine outputs,
+only how much of their proposal is accepted, so they drive every acceptance path."""
+
+from __future__ import annotations
+
+import torch
+
+from specdraft.drafters.base import DraftContext, Drafter, Proposal
+
+
+class RandomBeamsDrafter(Drafter):
+    """W beams of L tokens after g0, deterministic candidates, mostly wrong.
+
+    With ``oracle`` (row id -> the full expected token sequence, prompt included), each
+    beam copies the true continuation up to a random depth and is random after it, so
+    acceptance stops at every possible depth and different beams win. Without an oracle
+    beams are random tokens (useful with a tiny vocabulary, where they are often right).
+    Beams also get random valid lengths, and duplicates occur (they must be deduplicated).
+    """
+
+    name = "random-beams"
+
+    def __init__(self, vocab_size: int, beam_width: int = 4, beam_length: int = 5, seed: int = 0,
+                 oracle: dict[int, list[int]] | None = None):
+        self.V, self.W, self.L = vocab_size, beam_width, beam_length
+        self.gen = torch.Generator().manual_seed(seed)
+        self.oracle = oracle or {}
+
+    def _truth(self, row_id: int, history: torch.Tensor) -> list[int] | None:
+        ref = self.oracle.get(row_id)
+        T = history.shape[0]
+        if ref is None or len(ref) < T or ref[:T] != history.tolist():
+            return None
+        return ref[T: T + self.L - 1]
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        B = len(ctx.tokens)
+        beams = torch.randint(0, self.V, (B, self.W, self.L), generator=self.gen)
+        beams[:, :, 0] = ctx.g0.cpu()
+        lengths = torch.randint(1, self.L + 1, (B, self.W), generator=self.gen)
+        for b, history in enumerate(ctx.tokens):
+            truth = self._truth(ctx.row_ids[b], history.cpu())
+            if truth:
+                for w in range(self.W):
+                    keep = int(torch.randint(0, len(truth) + 1, (1,), generator=self.gen))
+                    beams[b, w, 1: 1 + keep] = torch.tensor(truth[:keep])
+            if self.W > 1:  # an exact duplicate beam, which packing must merge
+                beams[b, -1] = beams[b, 0]
+                lengths[b, -1] = lengths[b, 0]
+        valid = torch.arange(self.L)[None, None, :] < lengths[:, :, None]
+        return Proposal(beams=beams.to(ctx.g0.device), valid=valid.to(ctx.g0.device))
+
+
+class SampledChainDrafter(Drafter):
+    """One chain of L-1 drafted tokens sampled from an arbitrary (random, seeded) q.
+
+    q is unrelated to the target, so many drafts are rejected; exactness must not depend
+    on q being good. Reports q so the engine uses standard speculative sampling.
+    """
+
+    name = "sampled-chain"
+
+    def __init__(self, vocab_size: int, beam_length: int = 4, seed: int = 0, sharpness: float = 2.0):
+        self.V, self.L = vocab_size, beam_length
+        self.gen = torch.Generator().manual_seed(seed)
+        self.sharpness = sharpness
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        B, D = len(ctx.tokens), self.L - 1
+        q = (torch.randn(B, D, self.V, generator=self.gen) * self.sharpness).softmax(-1)
+        drafts = torch.multinomial(q.view(-1, self.V), 1, generator=self.gen).view(B, D)
+        beams = torch.cat([ctx.g0.cpu()[:, None], drafts], dim=1)[:, None, :]
+        valid = torch.ones_like(beams, dtype=torch.bool)
+        dev = ctx.g0.device
+        return Proposal(beams=beams.to(dev), valid=valid.to(dev), q=q.to(dev))
