@@ -99,6 +99,11 @@ class CompactCache(Cache):
         self.lengths = self.lengths + n_accepted
         self.width = int(self.lengths.max()) if B else 0
 
+    def truncate(self, lengths: torch.Tensor) -> None:
+        """Forget entries past ``lengths`` (B,) per row (e.g. a draft model's rejected drafts)."""
+        self.lengths = torch.minimum(self.lengths, lengths.to(self.lengths))
+        self.width = int(self.lengths.max()) if self.lengths.numel() else 0
+
     def select_rows(self, keep: torch.Tensor) -> None:
         """Keep only the rows ``keep`` (1D long), e.g. when sequences finish."""
         for layer in self.layers:

@@ -243,7 +243,8 @@ class SpeculativeEngine:
             hidden=hidden,
             budget=torch.tensor(budget, device=device).clamp(min=1),
             greedy=torch.tensor([r.params.greedy for r in rows], device=device),
-            row_ids=[r.index for r in rows])
+            row_ids=[r.index for r in rows],
+            params=[r.params for r in rows])
 
     @staticmethod
     def _clip(proposal: Proposal, budget: torch.Tensor) -> Proposal:
