@@ -36,7 +36,7 @@ class RandomBeamsDrafter(Drafter):
     def propose(self, ctx: DraftContext) -> Proposal:
         B = len(ctx.tokens)
         beams = torch.randint(0, self.V, (B, self.W, self.L), generator=self.gen)
-        beams[:, :, 0] = ctx.g0.cpu()
+        beams[:, :, 0] = ctx.g0.cpu()[:, None]
         lengths = torch.randint(1, self.L + 1, (B, self.W), generator=self.gen)
         for b, history in enumerate(ctx.tokens):
             truth = self._truth(ctx.row_ids[b], history.cpu())

@@ -51,7 +51,7 @@ def read_config(folder: str | Path) -> dict:
 
 def load_weights(folder: str | Path, device="cpu") -> dict[str, torch.Tensor]:
     """The folder's model.safetensors as a state dict; anything else is refused."""
-    from safetensors import SafetensorsError
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -62,7 +62,7 @@ def load_weights(folder: str | Path, device="cpu") -> dict[str, torch.Tensor]:
         raise SpecdraftError(f"{folder} has no {WEIGHTS}{hint}")
     try:
         return load_file(str(path), device=str(device))
-    except (SafetensorsError, OSError, ValueError, RuntimeError) as e:
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise SpecdraftError(f"{path} is not a valid safetensors file: {str(e).splitlines()[0]}") from None
 
 

@@ -10,12 +10,17 @@ from .lookup import LookupDrafter
 KINDS = ("none", "lookup", "redrafter:PATH", "draft:PATH")
 
 
-def build_drafter(spec: str, target, beam_width: int | None = None, beam_length: int | None = None,
-                  gamma: int | None = None) -> Drafter:
-    """A drafter for ``target``. Unset shapes take the drafter's own defaults."""
+def check_shapes(beam_width: int | None = None, beam_length: int | None = None, gamma: int | None = None) -> None:
+    """Drafting shapes must be >= 1 where given (checked before any model loads)."""
     for name, value in (("beam width", beam_width), ("beam length", beam_length), ("gamma", gamma)):
         if value is not None and value < 1:
             raise SpecdraftError(f"{name} must be >= 1, got {value}")
+
+
+def build_drafter(spec: str, target, beam_width: int | None = None, beam_length: int | None = None,
+                  gamma: int | None = None) -> Drafter:
+    """A drafter for ``target``. Unset shapes take the drafter's own defaults."""
+    check_shapes(beam_width, beam_length, gamma)
     kind, _, path = spec.partition(":")
     if kind == "none" and not path:
         return NoDrafter()

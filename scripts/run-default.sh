@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The main job: speculative decoding on the embedded default target, SmolLM2-135M-Instruct
+# (converted once from its GGUF into ~/.cache/specdraft), on an MT-Bench question.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup-env.sh
+exec .venv/bin/specdraft generate --target default --drafter lookup \
+    --prompt "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences and must-see attractions." \
+    --max-new-tokens 256 "$@"

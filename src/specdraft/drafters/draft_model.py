@@ -1,0 +1,330 @@
+"""An independent draft model: a small causal LM sharing the target's tokenizer.
+
+Each step the draft proposes, per row, beams (B, W, D+1) = [g0, d1..dD] with
+D = min(gamma, budget - 1):
+
+- W == 1 (a chain): greedy rows take the draft's argmax; sampling rows draw d_j from
+  q_j = sampling.target_probs(draft logits) at the row's own temperature/top-k/top-p, with
+  a per-row generator, and the proposal reports q (B, D, V) so that the engine runs
+  standard speculative sampling (exact for any q).
+- W > 1 (a deterministic tree): a beam search of width W over the draft's log-probs.
+  Candidates are deterministic (q is None); the engine verifies them by recursive
+  rejection, which is exact under sampling too. Shared prefixes are deduplicated by the
+  engine's tree packing.
+
+Draft KV cache (a ``CompactCache``; invariants per row b):
+- slots [0, lengths[b]) hold the draft's keys/values of ``ids[b, :lengths[b]]``, which is
+  always a prefix of the row's history (prompt + generated) and never includes g0 after a
+  step: g0 is fed at the start of the next ``propose``, whose root logits draft d1.
+- ``propose`` first *catches up*: it compares the cached ids with ``ctx.tokens``, forgets
+  anything that differs (truncate) and feeds the missing tokens, ragged across rows, in
+  one forward (the whole prompt + g0 at the first step; later the new g0, plus the last
+  accepted draft when the whole chain was accepted). Then D - 1 forwards of W tokens
+  each draft the tree; their keys/values are written past the committed slots at
+  [width, width + (D-1)W) and not committed: the width is reset afterwards, so they
+  count for nothing until ``observe``.
+- ``observe`` commits the accepted drafts' entries from that region (one gather/scatter
+  per layer) so they are not recomputed. Skipping ``observe`` is safe: the next catch-up
+  would recompute them.
+
+Metrics: ``num_parameters`` is N_draft; the memory-bound speed-up of a run with block
+efficiency tau is ``memory_bound_speedup(tau, gamma, N_draft, N_target)`` =
+tau / (1 + gamma * N_draft / N_target) (BRIEF section 5).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..cache import CompactCache
+from ..checkpoint import WEIGHTS, read_config
+from ..errors import SpecdraftError
+from ..models import Target
+from ..sampling import make_generator, sample, target_probs
+from .base import DraftContext, Drafter, Proposal
+
+DRAFT_SEED_OFFSET = 0x5EED_D7AF  # the draft's stream differs from the target's, same seed
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """Number of parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def memory_bound_speedup(tau: float, gamma: int, n_draft: int, n_target: int) -> float:
+    """MBSU = tau / (1 + gamma * N_draft / N_target)."""
+    return tau / (1 + gamma * n_draft / n_target)
+
+
+class DraftModelDrafter(Drafter):
+    """Draft with ``model`` (any HF causal LM with the target's vocabulary)."""
+
+    name = "draft"
+
+    def __init__(self, model: torch.nn.Module, gamma: int = 4, beam_width: int = 1,
+                 tokenizer=None, name: str = "draft model"):
+        if gamma < 1 or beam_width < 1:
+            raise SpecdraftError(f"gamma and beam width must be >= 1, got {gamma} and {beam_width}")
+        self.draft = Target(model=model, tokenizer=tokenizer, name=name)
+        self.gamma, self.W = gamma, min(beam_width, self.draft.vocab_size)
+        self.num_parameters = parameter_count(model)
+        self.cache: CompactCache | None = None
+        self.ids: torch.Tensor | None = None  # (B, C) token ids of the cached slots
+        self.generators: list = []
+        self.pending: dict | None = None  # the last proposal's tree, until observe
+
+    # ---- loading ----------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, path: str | Path, target, gamma: int | None = None,
+             beam_width: int | None = None) -> "DraftModelDrafter":
+        """Load a Hugging Face model folder (safetensors only) as a draft for ``target``."""
+        folder = Path(path).expanduser()
+        cfg = read_config(folder)
+        check_weights_file(folder)
+        if "vocab_size" in cfg:  # fail fast, before reading the weights
+            check_vocab_size(int(cfg["vocab_size"]), str(path), target)
+        tokenizer = load_tokenizer(folder)
+        if tokenizer is not None:
+            check_tokenizer(tokenizer, str(path), target)
+        model = load_model(folder, target)
+        check_vocab_size(model.get_output_embeddings().weight.shape[0], str(path), target)
+        return cls(model, gamma=gamma or 4, beam_width=beam_width or 1,
+                   tokenizer=tokenizer if tokenizer is not None else target.tokenizer, name=str(path))
+
+    # ---- the drafter protocol -----------------------------------------------------------
+
+    def start(self, ctx: DraftContext) -> None:
+        """A fresh batch: empty cache, one generator per sampling row."""
+        B, device = len(ctx.tokens), ctx.g0.device
+        longest = max(len(t) for t in ctx.tokens)
+        capacity = longest + self.gamma * self.W + 64  # the buffers grow by doubling if needed
+        self.cache = CompactCache(self.draft.num_layers, B, capacity, device)
+        self.ids = torch.full((B, capacity), -1, dtype=torch.long, device=device)
+        self.generators = [None if p.greedy else
+                           make_generator(None if p.seed is None else p.seed + DRAFT_SEED_OFFSET, device)
+                           for p in ctx.params] if ctx.params else [None] * B
+        self.pending = None
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext) -> Proposal:
+        if self.cache is None or self.cache.lengths.shape[0] != len(ctx.tokens):
+            self.start(ctx)
+        longest = max(len(t) for t in ctx.tokens)
+        if longest > self.draft.max_context:
+            raise SpecdraftError(f"a sequence of {longest} tokens exceeds the draft model's context "
+                                 f"({self.draft.max_context}); use a draft with a longer context")
+        depth = min(self.gamma, int(ctx.budget.max()) - 1, self.draft.max_context - longest)
+        root_logits = self._catch_up(ctx.tokens)
+        beams, q, slots = self._draft_tree(root_logits, ctx, max(depth, 0))
+        # The tree's entries stay in the buffer past the width until observe commits some.
+        self.cache.truncate(self.cache.lengths)
+        self.pending = {"beams": beams, "slots": slots}
+        steps = torch.arange(beams.shape[2], device=beams.device)
+        valid = (steps[None, None, :] < ctx.budget[:, None, None]).expand_as(beams)
+        return Proposal(beams=beams, valid=valid, q=q)
+
+    @torch.no_grad()
+    def observe(self, ctx: DraftContext, accepted: torch.Tensor, n_accepted: torch.Tensor) -> None:
+        """Commit the accepted drafts' cached entries (those the draft had fed)."""
+        pending, self.pending = self.pending, None
+        if pending is None or pending["slots"].shape[2] == 0:
+            return
+        beams, slots = pending["beams"], pending["slots"]
+        B, W, L = beams.shape
+        L = min(L, accepted.shape[1])
+        rows = torch.arange(B, device=beams.device)
+        beyond = torch.arange(L, device=beams.device)[None, None, :] >= n_accepted[:, None, None]
+        match = ((beams[:, :, :L] == accepted[:, None, :L]) | beyond).all(dim=2)  # (B, W)
+        beam = match.int().argmax(dim=1)
+        fed = slots.shape[2]
+        count = (n_accepted - 1).clamp(min=0, max=fed) * match.any(dim=1)
+        start = self.cache.lengths.clone()
+        self.cache.commit(slots[rows, beam], count)
+        self._record(start, beams[rows, beam, 1: 1 + fed])
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        if self.cache is None:
+            return
+        self.cache.select_rows(keep)
+        self.ids = self.ids.index_select(0, keep)
+        self.generators = [self.generators[i] for i in keep.tolist()]
+        self.pending = None
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _catch_up(self, tokens: list[torch.Tensor]) -> torch.Tensor:
+        """Sync the cache with each row's history, g0 included; return (B, V) draft logits
+        after g0. Rows feed different numbers of tokens (right-padded, at least 1)."""
+        cache, device = self.cache, self.ids.device
+        B = len(tokens)
+        T = torch.tensor([len(t) for t in tokens], device=device)
+        M = int(T.max())
+        self._reserve(M)
+        history = torch.full((B, M), -1, dtype=torch.long, device=device)
+        for b, t in enumerate(tokens):
+            history[b, : len(t)] = t
+        cols = torch.arange(M, device=device)
+        same = (self.ids[:, :M] == history) & (cols[None, :] < cache.lengths[:, None])
+        # Keep the longest cached prefix that agrees with the history, minus g0 at least:
+        # g0 must be fed now, its logits draft d1.
+        keep = torch.minimum(same.to(torch.int8).cumprod(dim=1).sum(dim=1), T - 1)
+        cache.truncate(keep)
+        n_new = T - keep
+        N = int(n_new.max())
+        steps = torch.arange(N, device=device)
+        real = steps[None, :] < n_new[:, None]
+        new = history.gather(1, (keep[:, None] + steps).clamp(max=M - 1)).masked_fill(~real, 0)
+        causal = steps[:, None] >= steps[None, :]
+        # Padding queries see only themselves, so no attention row is empty.
+        mask = (causal[None] & real[:, None, :]) | (torch.eye(N, dtype=torch.bool, device=device) & ~real[:, :, None])
+        hidden = self.draft.forward(new, keep[:, None] + steps, cache.attention_mask(mask), cache)
+        cache.commit(steps.expand(B, N), n_new)
+        self._record(keep, new)
+        return self.draft.logits(hidden[torch.arange(B, device=device), n_new - 1])
+
+    def _draft_tree(self, logits: torch.Tensor, ctx: DraftContext, depth: int):
+        """Draft ``depth`` levels of W beams from the root logits (B, V).
+
+        Returns beams (B, W, depth+1) with g0 first, q (B, depth, V) or None, and slots
+        (B, W, depth-1): for each beam, the offsets (from the committed width) where its
+        drafts d1..d_{depth-1} were cached.
+        """
+        cache, W = self.cache, self.W
+        B, device = logits.shape[0], logits.device
+        g0 = ctx.g0[:, None, None].expand(B, W, 1)
+        if depth == 0:
+            return g0, None, torch.zeros(B, W, 0, dtype=torch.long, device=device)
+        sampling = [b for b, g in enumerate(ctx.greedy.tolist()) if not g] if W == 1 else []
+        base, width = cache.lengths.clone(), cache.width  # g0 sits at position base - 1
+        score = torch.zeros(B, W, device=device)
+        tokens, parent, score, q_j = self._choose(logits[:, None], score, ctx, sampling, first=True)
+        paths = tokens[:, :, None]
+        slots = torch.zeros(B, W, 0, dtype=torch.long, device=device)
+        ancestry = torch.zeros(B, W, 0, dtype=torch.bool, device=device)
+        past = (torch.arange(width, device=device)[None, :] < base[:, None])[:, None, :].expand(B, W, width)
+        qs = [q_j]
+        eye = torch.eye(W, dtype=torch.bool, device=device)[None].expand(B, W, W)
+        for level in range(1, depth):  # feed level `level`, draft level + 1
+            own = (level - 1) * W + torch.arange(W, device=device)
+            ancestry = torch.cat([ancestry, eye], dim=2)  # each beam sees its path and itself
+            cache.width = width + (level - 1) * W  # write this level after the earlier ones
+            mask = torch.cat([past, ancestry], dim=2)[:, None]
+            positions = (base + level - 1)[:, None].expand(B, W)
+            hidden = self.draft.forward(paths[:, :, -1], positions, mask, cache)
+            tokens, parent, score, q_j = self._choose(self.draft.logits(hidden), score, ctx, sampling)
+            slots = torch.cat([slots, own.expand(B, W)[:, :, None]], dim=2)
+            slots, paths, ancestry = (x.gather(1, parent[:, :, None].expand(-1, -1, x.shape[2]))
+                                      for x in (slots, paths, ancestry))
+            paths = torch.cat([paths, tokens[:, :, None]], dim=2)
+            qs.append(q_j)
+        cache.width = width
+        q = torch.stack(qs, dim=1) if sampling else None  # (B, depth, V)
+        return torch.cat([g0, paths], dim=2), q, slots
+
+    def _choose(self, logits: torch.Tensor, score: torch.Tensor, ctx: DraftContext,
+                sampling: list[int], first: bool = False):
+        """Next tokens from draft logits (B, W, V): (tokens (B, W), parents (B, W), scores
+        (B, W), q (B, V) for a chain with sampling rows, else None)."""
+        B, W, V = logits.shape[0], self.W, logits.shape[-1]
+        if W > 1:  # beam search on cumulative log-probs; the root has one parent
+            total = score[:, :, None] + logits.log_softmax(dim=-1)
+            total = total[:, :1] if first else total
+            score, flat = total.flatten(1).topk(W, dim=1)
+            return flat % V, flat // V, score, None
+        logits = logits[:, 0]
+        tokens = logits.argmax(dim=-1)
+        q = None
+        if sampling:
+            idx = torch.tensor(sampling, device=logits.device)
+            params = [ctx.params[b] for b in sampling]
+            knobs = [torch.tensor([getattr(p, k) for p in params], device=logits.device)
+                     for k in ("temperature", "top_k", "top_p")]
+            q_rows = target_probs(logits[idx], *knobs)
+            tokens[idx] = sample(q_rows, [self.generators[b] for b in sampling])
+            # Greedy rows: a point mass on their argmax (unused: they are verified greedily).
+            q = torch.nn.functional.one_hot(tokens, V).float()
+            q[idx] = q_rows
+        zeros = torch.zeros(B, 1, dtype=torch.long, device=logits.device)
+        return tokens[:, None], zeros, score, q
+
+    def _reserve(self, columns: int) -> None:
+        """Make ``ids`` at least ``columns`` wide."""
+        if self.ids.shape[1] < columns:
+            extra = max(columns, 2 * self.ids.shape[1]) - self.ids.shape[1]
+            self.ids = torch.cat([self.ids, self.ids.new_full((self.ids.shape[0], extra), -1)], dim=1)
+
+    def _record(self, start: torch.Tensor, tokens: torch.Tensor) -> None:
+        """ids[b, start[b] + i] = tokens[b, i]; entries past a row's cache length are ignored
+        by the catch-up comparison, so padding may be written too."""
+        n = tokens.shape[1]
+        if n == 0:
+            return
+        self._reserve(int(start.max()) + n)
+        self.ids.scatter_(1, start[:, None] + torch.arange(n, device=start.device), tokens)
+
+
+# ---- load-time checks (each failure is one SpecdraftError line) ---------------------------
+
+def check_weights_file(folder: Path) -> None:
+    """The folder must hold a readable model.safetensors (pickled weights are never loaded)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = folder / WEIGHTS
+    if not path.is_file():
+        others = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        found = f"found {', '.join(others)}; " if others else ""
+        raise SpecdraftError(f"draft model {folder} has no {WEIGHTS} ({found}only safetensors weights are loaded)")
+    try:
+        with safe_open(str(path), framework="pt") as f:  # reads the header only
+            f.keys()
+    except (SafetensorError, OSError, ValueError) as e:
+        raise SpecdraftError(f"{path} is not a valid safetensors file: {str(e).splitlines()[0]}") from None
+
+
+def check_vocab_size(size: int, name: str, target) -> None:
+    if size != target.vocab_size:
+        raise SpecdraftError(f"draft model {name} has a vocabulary of {size} tokens, but target "
+                             f"{target.name} has {target.vocab_size}; they must share a vocabulary")
+
+
+def load_tokenizer(folder: Path):
+    """The draft folder's tokenizer, or None if it has no tokenizer files."""
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SpecdraftError(f"could not load the tokenizer of draft model {folder}: {first}") from None
+
+
+def check_tokenizer(tokenizer, name: str, target) -> None:
+    """The draft's token strings must map to the same ids as the target's."""
+    mine, theirs = tokenizer.get_vocab(), target.tokenizer.get_vocab()
+    if mine == theirs:
+        return
+    differ = sorted((i, t) for t, i in mine.items() if theirs.get(t) != i)
+    differ += sorted((i, t) for t, i in theirs.items() if t not in mine)
+    example = f"; e.g. token id {differ[0][0]} is {differ[0][1]!r} in one but not the other" if differ else ""
+    raise SpecdraftError(f"draft model {name} has a different tokenizer from target {target.name} "
+                         f"({len(mine)} vs {len(theirs)} tokens, {len(differ)} differ{example})")
+
+
+def load_model(folder: Path, target) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder), use_safetensors=True, dtype=target.dtype, attn_implementation="sdpa")
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SpecdraftError(f"could not load draft model {folder}: {first}") from None
+    model.to(target.device).eval()
+    model.requires_grad_(False)
+    return model

@@ -1,0 +1,48 @@
+"""The ``redrafter:PATH`` drafter: beam search over a recurrent draft head.
+
+Each step: h (the target's hidden state whose logits chose g0) and g0 go through the
+ReDrafter head's beam search; its W beams of L tokens (g0 included, so L - 1 drafted
+tokens) are verified together by the engine's dynamic tree attention. Candidates are
+deterministic (no q): under sampling the engine's recursive rejection keeps the output
+distributed exactly as the target's. The drafter keeps no state between steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import SpecdraftError
+from ..redrafter.beam_search import redrafter_beam_search
+from ..redrafter.model import ReDrafterHead
+from .base import DraftContext, Drafter, Proposal
+
+
+def beam_shape(config, beam_width: int | None, beam_length: int | None) -> tuple[int, int]:
+    """(W, L): the arguments where given, else the checkpoint's recorded defaults."""
+    W = config.beam_width if beam_width is None else beam_width
+    L = config.beam_length if beam_length is None else beam_length
+    for name, value in (("beam width", W), ("beam length", L)):
+        if not isinstance(value, int) or value < 1:
+            raise SpecdraftError(f"{name} must be an integer >= 1, got {value!r}")
+    return W, L
+
+
+class ReDrafter(Drafter):
+    name = "redrafter"
+
+    def __init__(self, head: ReDrafterHead, beam_width: int | None = None, beam_length: int | None = None):
+        self.head = head
+        self.W, self.L = beam_shape(head.config, beam_width, beam_length)
+
+    @classmethod
+    def load(cls, path, target, beam_width: int | None = None, beam_length: int | None = None) -> "ReDrafter":
+        """A drafter from a checkpoint folder; W and L default to the checkpoint's
+        beam_width / beam_length (W=4, L=5 unless it records others)."""
+        return cls(ReDrafterHead.load(path, target), beam_width, beam_length)
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext) -> Proposal:
+        # No row may use more than its budget: drafting deeper would only be clipped away.
+        L = min(self.L, int(ctx.budget.max()))
+        result = redrafter_beam_search(self.head, ctx.hidden, ctx.g0, self.W, L)
+        return Proposal(beams=result.beams, valid=result.valid)

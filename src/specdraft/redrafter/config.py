@@ -1,0 +1,119 @@
+"""Configurations of the drafter heads, as written to a checkpoint's config.json.
+
+A config records the head's shape, the beam defaults the drafter uses at inference,
+which kind of checkpoint it is ("redrafter" or "medusa", so that one is never loaded as
+the other) and the signature of the target it was made for
+(``specdraft.checkpoint.target_signature``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import SpecdraftError
+
+FORMAT_VERSION = 1
+HEAD_VARIANTS = ("own", "shared")
+
+
+@dataclass
+class HeadConfig:
+    """Fields common to both head families.
+
+    hidden_size: d, the target's hidden size.   vocab_size: V, the target's vocabulary.
+    head: "own" (the head has its own output layer to V) or "shared" (the head ends in
+          the target's frozen LM head).
+    beam_width, beam_length: inference defaults W and L (L counts g0; see beam_search).
+    target: the target signature (architecture, vocab_size, hidden_size, name).
+    """
+
+    KIND = "head"
+
+    hidden_size: int
+    vocab_size: int
+    head: str = "own"
+    beam_width: int = 4
+    beam_length: int = 5
+    target: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("hidden_size", "vocab_size", "beam_width", "beam_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SpecdraftError(f"{self.KIND} config: {name} must be an integer >= 1, got {value!r}")
+        if self.head not in HEAD_VARIANTS:
+            raise SpecdraftError(f"{self.KIND} config: head must be one of {HEAD_VARIANTS}, got {self.head!r}")
+        if not isinstance(self.target, dict):
+            raise SpecdraftError(f"{self.KIND} config: target must be an object, got {self.target!r}")
+
+    def to_dict(self) -> dict:
+        return {"kind": self.KIND, "format_version": FORMAT_VERSION, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, raw: dict, path: str | Path = "config") -> "HeadConfig":
+        """Parse a config.json object; every problem is a one-line SpecdraftError."""
+        if not isinstance(raw, dict):
+            raise SpecdraftError(f"{path}: config.json is not a JSON object")
+        kind = raw.get("kind")
+        if kind != cls.KIND:
+            found = f"a {kind!r} checkpoint" if kind else "not a specdraft drafter-head checkpoint (no 'kind')"
+            raise SpecdraftError(f"{path} is {found}, expected a {cls.KIND!r} checkpoint")
+        version = raw.get("format_version", FORMAT_VERSION)
+        if version != FORMAT_VERSION:
+            raise SpecdraftError(f"{path}: unsupported {cls.KIND} checkpoint format_version {version!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = sorted(n for n in ("hidden_size", "vocab_size") if n not in raw)
+        if missing:
+            raise SpecdraftError(f"{path}: config.json lacks {', '.join(missing)}")
+        try:
+            return cls(**{k: v for k, v in raw.items() if k in names})
+        except SpecdraftError as e:
+            raise SpecdraftError(f"{path}: {e}") from None
+
+
+@dataclass
+class ReDrafterConfig(HeadConfig):
+    """ReDrafter head: num_blocks residual blocks at width 2d (paper: N = 2)."""
+
+    KIND = "redrafter"
+
+    num_blocks: int = 2
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.num_blocks, int) or isinstance(self.num_blocks, bool) or self.num_blocks < 0:
+            raise SpecdraftError(f"redrafter config: num_blocks must be an integer >= 0, got {self.num_blocks!r}")
+
+
+@dataclass
+class MedusaConfig(HeadConfig):
+    """Medusa heads: num_heads independent heads of num_blocks residual blocks at width d.
+
+    beam_length defaults to num_heads + 1 (g0 plus one token per head) when not given.
+    """
+
+    KIND = "medusa"
+
+    num_heads: int = 4
+    num_blocks: int = 1
+    beam_length: int = 0  # 0 -> num_heads + 1, resolved in __post_init__
+
+    def __post_init__(self):
+        if self.beam_length == 0 and isinstance(self.num_heads, int):
+            self.beam_length = self.num_heads + 1
+        super().__post_init__()
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.num_heads, int) or isinstance(self.num_heads, bool) or self.num_heads < 1:
+            raise SpecdraftError(f"medusa config: num_heads must be an integer >= 1, got {self.num_heads!r}")
+        if not isinstance(self.num_blocks, int) or isinstance(self.num_blocks, bool) or self.num_blocks < 0:
+            raise SpecdraftError(f"medusa config: num_blocks must be an integer >= 0, got {self.num_blocks!r}")
+        if self.beam_length > self.num_heads + 1:
+            raise SpecdraftError(f"medusa config: beam_length {self.beam_length} exceeds num_heads + 1 "
+                                 f"= {self.num_heads + 1}")

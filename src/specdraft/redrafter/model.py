@@ -1,0 +1,161 @@
+"""The ReDrafter head: a recurrent draft head on the target's last hidden state.
+
+Notation (d = target hidden size, V = vocabulary, E = the target's frozen input
+embeddings, N = config.num_blocks):
+
+    h    = the target's last-layer hidden state (after its final norm) at the last
+           accepted token: the state whose logits chose g0
+    s_0  = 0;   x_1 = g0
+    s_t  = SiLU(W·E[x_t] + U·s_{t-1} + b)            W: d×d (no bias), U: d×d with bias b
+    z    = [h ; s_t]                                  width 2d, h first
+    z    = z + SiLU(A_l·z + c_l)     l = 1..N         residual blocks at width 2d
+    logits_t = O·z        "own" head:    O is 2d → V (the paper's untied output layer)
+             = LM(P·z)    "shared" head: P is 2d → d, then the target's frozen LM head
+                          (``Target.logits``: the same head and softcap the target uses)
+
+logits_t is the drafter's distribution of x_{t+1}: with x_1 = g0 = the token after the
+last accepted one, logits_1 predicts the token after g0.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..checkpoint import target_signature
+from .config import ReDrafterConfig
+from .io import load_head, save_head
+from .parts import TargetParts
+
+
+class ResidualBlock(nn.Module):
+    """z + SiLU(A·z + c) at a fixed width."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return z + F.silu(self.linear(z))
+
+
+class ReDrafterHead(nn.Module):
+    """The recurrent draft head. Parameters (state_dict names):
+
+    rnn_w.weight (d, d); rnn_u.weight (d, d), rnn_u.bias (d,);
+    blocks.{l}.linear.weight (2d, 2d), .bias (2d,) for l < N;
+    out.weight (V, 2d) for head "own", or proj.weight (d, 2d) for head "shared".
+
+    The target's embeddings and LM head are used through ``parts`` and never stored.
+    """
+
+    def __init__(self, config: ReDrafterConfig, parts: TargetParts):
+        super().__init__()
+        d, V = config.hidden_size, config.vocab_size
+        self.config = config
+        self.parts = parts  # not an nn.Module: not registered, not saved, not trained
+        self.rnn_w = nn.Linear(d, d, bias=False)
+        self.rnn_u = nn.Linear(d, d, bias=True)
+        self.blocks = nn.ModuleList(ResidualBlock(2 * d) for _ in range(config.num_blocks))
+        if config.head == "own":
+            self.out = nn.Linear(2 * d, V, bias=False)
+        else:
+            self.proj = nn.Linear(2 * d, d, bias=False)
+
+    @classmethod
+    def for_target(cls, target, num_blocks: int = 2, head: str = "own", beam_width: int = 4,
+                   beam_length: int = 5) -> "ReDrafterHead":
+        """A freshly initialised head for ``target`` (a ``specdraft.models.Target``),
+        on the target's device, in float32."""
+        config = ReDrafterConfig(hidden_size=int(target.hidden_size), vocab_size=int(target.vocab_size),
+                                 num_blocks=num_blocks, head=head, beam_width=beam_width,
+                                 beam_length=beam_length, target=target_signature(target))
+        return cls(config, TargetParts.of(target)).to(target.device)
+
+    @classmethod
+    def load(cls, folder, target) -> "ReDrafterHead":
+        """Load a checkpoint folder for ``target`` (eval mode, frozen, on its device);
+        every failure is a one-line SpecdraftError."""
+        return load_head(folder, target, cls, ReDrafterConfig)
+
+    def save(self, folder):
+        """Write config.json + model.safetensors to ``folder`` (own parameters only)."""
+        return save_head(self, folder)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.rnn_w.weight.dtype
+
+    # ---- the recurrence ---------------------------------------------------------------
+
+    def initial_state(self, batch_shape: tuple[int, ...], device=None) -> torch.Tensor:
+        """s_0 = 0, shape (*batch_shape, d)."""
+        return torch.zeros(*batch_shape, self.config.hidden_size, dtype=self.dtype,
+                           device=device if device is not None else self.rnn_w.weight.device)
+
+    def embed_input(self, tokens: torch.Tensor) -> torch.Tensor:
+        """W·E[x] for tokens (...,) long -> (..., d). Computed once per token in training."""
+        return self.rnn_w(self.parts.embed(tokens).to(self.dtype))
+
+    def step(self, state: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """s_t = SiLU(W·E[x_t] + U·s_{t-1} + b): state (..., d), tokens (...,) -> (..., d)."""
+        return self.step_embedded(state, self.embed_input(tokens))
+
+    def step_embedded(self, state: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        """The recurrence with W·E[x_t] already computed: (..., d), (..., d) -> (..., d)."""
+        return F.silu(embedded + self.rnn_u(state))
+
+    # ---- the output -------------------------------------------------------------------
+
+    def logits(self, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """Draft logits (..., V) float32 from h (..., d) and s_t (..., d).
+
+        h is broadcast against s_t, so h (B, 1, d) with s_t (B, W, d) scores W beams.
+        """
+        hidden = hidden.to(self.dtype).expand(*state.shape[:-1], -1)
+        z = torch.cat([hidden, state], dim=-1)
+        for block in self.blocks:
+            z = block(z)
+        if self.config.head == "own":
+            return self.out(z).float()
+        return self.parts.logits(self.proj(z))
+
+    # ---- training ---------------------------------------------------------------------
+
+    def teacher_forced_logits(self, hidden: torch.Tensor, tokens: torch.Tensor, K: int) -> torch.Tensor:
+        """Logits for K future tokens at every position, in one pass (loops over K only).
+
+        hidden: (B, T, d) the target's last-layer hidden states (after its final norm),
+                hidden[:, t] being the state at token t (whose logits predict x_{t+1}).
+        tokens: (B, T) long, the sequence x_0 .. x_{T-1}.
+        Returns (B, T, K, V) float32: out[b, t, i] is the drafter's prediction of
+        x_{t+2+i}, from [h_t ; s^(i)_t] where the recurrence was fed the actual tokens
+        x_{t+1}, ..., x_{t+1+i} (s^(i)_t = the state after i+1 steps from s_0 = 0).
+        This is exactly the inference recurrence with g0 = x_{t+1}; see ``future_labels``
+        for the matching targets. Where t+2+i >= T there is no target token and the
+        inputs past the sequence end are token 0: those entries are meaningless.
+        """
+        B, T = tokens.shape
+        embedded = self.embed_input(tokens)  # (B, T, d): W·E[x_u] for every u
+        state = self.initial_state((B, T), device=tokens.device)
+        out = []
+        for i in range(K):
+            # Iteration i at position t consumes x_{t+1+i}: the embedded inputs shifted left.
+            shift = 1 + i
+            step_in = F.pad(embedded[:, shift:], (0, 0, 0, min(shift, T)))
+            state = self.step_embedded(state, step_in)
+            out.append(self.logits(hidden, state))
+        return torch.stack(out, dim=2)
+
+
+def future_labels(tokens: torch.Tensor, K: int, ignore_index: int = -100) -> torch.Tensor:
+    """Targets for ``teacher_forced_logits``: labels[b, t, i] = tokens[b, t+2+i], or
+    ``ignore_index`` where t+2+i >= T. tokens (B, T) -> (B, T, K) long."""
+    B, T = tokens.shape
+    labels = torch.full((B, T, K), ignore_index, dtype=torch.long, device=tokens.device)
+    for i in range(K):
+        shift = 2 + i
+        if shift < T:
+            labels[:, : T - shift, i] = tokens[:, shift:]
+    return labels

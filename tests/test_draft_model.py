@@ -1,0 +1,251 @@
+"""The independent draft-model drafter: lossless greedy decoding, exact sampling, a draft
+KV cache that stays in step with the target, and one-line load errors. Tiny random
+models only (fast)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from conftest import make_tiny_llama, make_tiny_tokenizer
+
+from specdraft.drafters import NoDrafter
+from specdraft.drafters.draft_model import DraftModelDrafter, memory_bound_speedup
+from specdraft.drafters.registry import build_drafter
+from specdraft.engine import SpeculativeEngine
+from specdraft.errors import SpecdraftError
+from specdraft.models import load_target
+from specdraft.sampling import SamplingParams, target_probs
+
+SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models are dominated by per-op overhead: extra threads only contend (the CPU
+    is shared), and one thread is several times faster here."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _noisy_copy(src, dst, vocab_size, scale, seed):
+    """A draft that is the target with Gaussian noise (scale x each matrix's std) added to
+    its weight matrices: its drafts are accepted sometimes, at every depth."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
+    model.save_pretrained(dst)
+    make_tiny_tokenizer(vocab_size).save_pretrained(dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A vocab-16 target and drafts: "small" (independent, random: nearly always rejected),
+    "noisy" (partly right), "perfect" (the target's own folder); and the folder root."""
+    root = tmp_path_factory.mktemp("draft_model")
+    target_path = make_tiny_llama(root / "target", vocab_size=16, seed=0)
+    drafts = {"small": make_tiny_llama(root / "small", vocab_size=16, seed=1, **SMALL),
+              "noisy": _noisy_copy(target_path, root / "noisy", 16, scale=0.6, seed=4),
+              "perfect": target_path}
+    return load_target(str(target_path)), drafts, root
+
+
+def _prompts(lengths, seed=0, vocab=16):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _hf_greedy(target, prompt, max_new_tokens):
+    ids = torch.tensor([prompt])
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=max_new_tokens, eos_token_id=0, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+# ---- 1. greedy: token-for-token the target's own output ---------------------------------
+
+@pytest.mark.parametrize("which,beam_width", [("small", 1), ("noisy", 1), ("perfect", 1), ("noisy", 3)])
+def test_greedy_matches_autoregressive(tiny, which, beam_width):
+    target, drafts, _ = tiny
+    drafter = DraftModelDrafter.load(drafts[which], target, gamma=4, beam_width=beam_width)
+    prompts = _prompts([3, 9, 5, 6])
+    # Rows leave at different steps: different lengths, and EOS (t0) where the model says
+    # so (row 1 stops after 4 tokens); row 3 ignores EOS and runs on.
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=i == 3) for i, m in enumerate((40, 13, 27, 40))]
+    base = SpeculativeEngine(target, NoDrafter()).generate(prompts, params)
+    spec = SpeculativeEngine(target, drafter).generate(prompts, params)
+    for prompt, p, b, s in zip(prompts, params, base, spec):
+        assert s.token_ids == b.token_ids
+        assert s.finish_reason == b.finish_reason
+        hf = _hf_greedy(target, prompt, p.max_new_tokens)  # stops at EOS even for row 3
+        assert s.token_ids[: len(hf)] == hf and (p.ignore_eos or len(hf) == len(s.token_ids))
+    if which == "noisy":  # partial acceptance really happened, at several depths
+        gains = {k for r in spec for k in r.accepted_hist}
+        assert len(gains) >= 3, gains
+    alone = SpeculativeEngine(target, drafter).generate(prompts[:1], params[0])  # batch 1
+    assert alone[0].token_ids == base[0].token_ids
+
+
+def test_perfect_draft_accepts_everything(tiny):
+    """The target as its own draft must accept all gamma drafts + 1 per step: any cache slip
+    (a wrong position, a stale or missing entry) shows up as a rejection."""
+    target, drafts, _ = tiny
+    gamma = 4
+    drafter = DraftModelDrafter.load(drafts["perfect"], target, gamma=gamma)
+    prompts = _prompts([4, 11, 7], seed=1)
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in (41, 21, 31)]
+    results = SpeculativeEngine(target, drafter).generate(prompts, params)
+    for r in results:
+        tau = (r.new_tokens - 1) / (r.steps - 1)  # per verification step, the prefill left out
+        assert tau == gamma + 1, r.accepted_hist
+    # The parameter count feeds MBSU: a perfect draft the size of its target halves tau/(1+gamma).
+    n = drafter.num_parameters
+    assert n == sum(p.numel() for p in target.model.parameters())
+    assert memory_bound_speedup(5.0, gamma, n, n) == pytest.approx(1.0)
+
+
+def test_registry_builds_draft(tiny):
+    target, drafts, _ = tiny
+    drafter = build_drafter(f"draft:{drafts['small']}", target, gamma=3)
+    assert isinstance(drafter, DraftModelDrafter) and drafter.gamma == 3 and drafter.W == 1
+    assert drafter.num_parameters < sum(p.numel() for p in target.model.parameters())
+
+
+# ---- 2. sampling: the output distribution is exactly the target's ----------------------
+
+def _exact_joint(target, prompt, n_tokens, params):
+    """P(x1..xn | prompt) for every sequence (V^n,), from the target's full-sequence
+    conditionals passed through the same temperature/top-p as the engine."""
+    V = target.vocab_size
+    seqs = torch.cartesian_prod(*[torch.arange(V)] * (n_tokens - 1)).view(-1, n_tokens - 1)
+    ids = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], dim=1)
+    with torch.no_grad():
+        logits = target.model(ids).logits[:, len(prompt) - 1:].float()  # (S, n, V)
+    S = len(seqs)
+    knobs = [torch.full((S,), params.temperature), torch.zeros(S, dtype=torch.long),
+             torch.full((S,), params.top_p)]
+    p = target_probs(logits, *knobs)  # (S, n, V): p(x_{j+1} | prompt, seq[:j])
+    # joint[s, x] = prod_j p_j(seq_j) * p_{n-1}(x), with seq the first n-1 tokens.
+    head = p[:, :-1].gather(2, seqs[:, :, None])[:, :, 0].prod(dim=1)
+    return (head[:, None] * p[:, -1]).flatten()
+
+
+def _chi_square(counts, expected):
+    """Pearson statistic and p-value, cells with expected count < 5 pooled into one."""
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    assert counts[expected == 0].sum() == 0, "sampled a sequence the target cannot produce"
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    df = len(exp) - 1
+    pvalue = float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(stat / 2)))
+    return stat, df, pvalue
+
+
+@pytest.fixture(scope="module")
+def tiny6(tmp_path_factory):
+    """A vocab-6 target and a noisy copy of it as the draft (accepted often, not always:
+    both acceptance and the residual distribution are exercised)."""
+    root = tmp_path_factory.mktemp("draft_model6")
+    target_path = make_tiny_llama(root / "target", vocab_size=6, seed=3)
+    return load_target(str(target_path)), _noisy_copy(target_path, root / "draft", 6, scale=0.5, seed=4)
+
+
+@pytest.mark.parametrize("temperature,beam_width", [(0.7, 1), (1.0, 1), (1.0, 2)])
+def test_sampling_matches_target_distribution(tiny6, temperature, beam_width):
+    """Joint law of the first 4 sampled tokens vs the exact one, enumerated.
+
+    Sample size: 2000 rows (seeds 0..1999) in one batch. Cells with expected count < 5 are
+    pooled so Pearson's statistic is close to chi-square(df) under exactness; we fail at
+    p < 1e-3, so an exact sampler fails one configuration in 1000 (the seeds are fixed, so
+    the outcome is deterministic). Power: the test must reject the draft's own law (what a
+    sampler that always kept its drafts would produce); its expected statistic
+    n * sum (q - p)^2 / p is checked below to be far above the threshold, and a bias of
+    TV 0.05 over ~20 cells already adds ~ 2000 * 0.05^2 * 20 / 1 >> df to the statistic.
+    """
+    target, draft_path = tiny6
+    n_rows, n_tokens, prompt = 2000, 4, [1, 2, 3]
+    params = [SamplingParams(max_new_tokens=n_tokens, temperature=temperature, top_p=0.9, seed=i,
+                             ignore_eos=True) for i in range(n_rows)]
+    drafter = DraftModelDrafter.load(draft_path, target, gamma=3, beam_width=beam_width)
+    results = SpeculativeEngine(target, drafter).generate([prompt] * n_rows, params)
+    V = target.vocab_size
+    index = torch.tensor([sum(t * V ** (n_tokens - 1 - j) for j, t in enumerate(r.token_ids))
+                          for r in results])
+    counts = torch.bincount(index, minlength=V ** n_tokens).double()
+    exact = _exact_joint(target, prompt, n_tokens, params[0]).double()
+    stat, df, pvalue = _chi_square(counts, n_rows * exact)
+    print(f"T={temperature} W={beam_width}: chi2={stat:.1f} df={df} p={pvalue:.3f}")
+    assert pvalue > 1e-3, (stat, df, pvalue)
+    # Speculation really happened: fewer target steps than tokens, yet not all accepted.
+    steps = sum(r.steps for r in results)
+    assert n_rows * 2 < steps < n_rows * n_tokens
+
+    # Power check: the draft's own joint law is clearly rejected at this sample size.
+    draft = load_target(str(draft_path))
+    q = _exact_joint(draft, prompt, n_tokens, params[0]).double()
+    support = exact > 0
+    noncentral = n_rows * float(((q[support] - exact[support]) ** 2 / exact[support]).sum())
+    assert noncentral > 10 * df
+
+
+# ---- 3. load errors: one line each, naming what is wrong ---------------------------------
+
+def _bad_folder(root, name, target_path):
+    folder = root / name
+    folder.mkdir()
+    shutil.copy(target_path / "config.json", folder / "config.json")
+    return folder
+
+
+def test_load_errors(tiny):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    target, drafts, root = tiny
+    target_path = drafts["perfect"]
+
+    def error(path):
+        with pytest.raises(SpecdraftError) as e:
+            DraftModelDrafter.load(path, target)
+        message = str(e.value)
+        assert "\n" not in message
+        return message
+
+    assert "not found" in error(root / "missing")
+
+    bin_only = _bad_folder(root, "bin_only", target_path)
+    (bin_only / "pytorch_model.bin").write_bytes(b"pickle")
+    msg = error(bin_only)
+    assert "pytorch_model.bin" in msg and "only safetensors" in msg
+
+    corrupt = _bad_folder(root, "corrupt", target_path)
+    (corrupt / "model.safetensors").write_bytes(b"\x13garbage bytes, not a header" * 10)
+    assert "not a valid safetensors file" in error(corrupt)
+
+    wide = make_tiny_llama(root / "vocab20", vocab_size=20, seed=2, **SMALL)
+    msg = error(wide)
+    assert "20" in msg and "16" in msg and str(wide) in msg and target.name in msg
+
+    # Same vocabulary size, different token strings.
+    renamed = make_tiny_llama(root / "renamed", vocab_size=16, seed=2, **SMALL)
+    vocab = {f"w{i}": i for i in range(16)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w0", unk_token="w1").save_pretrained(renamed)
+    msg = error(renamed)
+    assert "different tokenizer" in msg and str(renamed) in msg and target.name in msg
+
+    with pytest.raises(SpecdraftError, match="gamma"):
+        DraftModelDrafter(target.model, gamma=0)

@@ -1,0 +1,353 @@
+"""ReDrafter: the head, beam search, the drafter in the engine, checkpoints, export.
+
+Tiny random models only (conftest's tiny target: vocabulary 16, hidden size 32).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdraft import SamplingParams, SpeculativeEngine
+from specdraft.checkpoint import CONFIG, WEIGHTS
+from specdraft.drafters import NoDrafter
+from specdraft.drafters.redrafter import ReDrafter
+from specdraft.errors import SpecdraftError
+from specdraft.models import load_target
+from specdraft.redrafter import (MedusaHeads, ReDrafterHead, export_trtllm, future_labels,
+                                 redrafter_beam_search)
+from conftest import make_tiny_llama
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [3]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread (and the test machine's cores are shared)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_head(target, head="own", seed=0, **kw) -> ReDrafterHead:
+    torch.manual_seed(seed)
+    return ReDrafterHead.for_target(target, head=head, **kw).eval().requires_grad_(False)
+
+
+def reference_ids(target, prompt, max_new_tokens):
+    """Hugging Face greedy generation of one prompt, up to and including EOS."""
+    ids = torch.tensor([prompt])
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                do_sample=False)[0, len(prompt):].tolist()
+    for i, tok in enumerate(out):
+        if tok in target.eos_ids:
+            return out[: i + 1]
+    return out
+
+
+def generate_ids(target, drafter, prompts, **params):
+    params = SamplingParams(**{"max_new_tokens": 24, **params})
+    return [r.token_ids for r in SpeculativeEngine(target, drafter).generate(prompts, params)]
+
+
+# ---- the head ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["own", "shared"])
+def test_teacher_forced_equals_inference_recurrence(tiny_target, variant):
+    head = make_head(tiny_target, variant)
+    B, T, K, d = 2, 7, 3, tiny_target.hidden_size
+    tokens = torch.randint(0, tiny_target.vocab_size, (B, T), generator=torch.Generator().manual_seed(1))
+    hidden = torch.randn(B, T, d, generator=torch.Generator().manual_seed(2))
+    out = head.teacher_forced_logits(hidden, tokens, K)
+    assert out.shape == (B, T, K, tiny_target.vocab_size) and out.dtype == torch.float32
+    for b, t in itertools.product(range(B), range(T)):
+        state = head.initial_state(())
+        for i in range(K):
+            if t + 1 + i >= T:
+                break
+            state = head.step(state, tokens[b, t + 1 + i])  # fed x_{t+1}, ..., x_{t+1+i}
+            torch.testing.assert_close(out[b, t, i], head.logits(hidden[b, t], state))
+    labels = future_labels(tokens, K)
+    assert labels.shape == (B, T, K)
+    assert labels[0, 0, 2] == tokens[0, 4] and (labels[:, T - 2:] == -100).all()
+
+
+def test_shared_head_ends_in_the_target_lm_head(tiny_target):
+    head = make_head(tiny_target, "shared")
+    h, s = torch.randn(3, 32), torch.randn(3, 32)
+    z = torch.cat([h, s], -1)
+    for block in head.blocks:
+        z = block(z)
+    torch.testing.assert_close(head.logits(h, s), tiny_target.logits(head.proj(z)))
+    assert not any(k.startswith(("parts", "embed")) for k in head.state_dict())
+    assert sum(p.numel() for p in head.parameters()) < 32 * 32 * 20  # no copy of the target's tables
+
+
+# ---- beam search -----------------------------------------------------------------------
+
+
+def root_log_probs(head, h, g0):
+    s1 = head.step(head.initial_state((g0.shape[0],)), g0)
+    return torch.log_softmax(head.logits(h, s1), -1)
+
+
+def sequence_score(head, h, seq):
+    """Sum of log q of seq[1:] computed one token at a time (h (d,), seq list)."""
+    state, total = head.initial_state(()), 0.0
+    for j in range(1, len(seq)):
+        state = head.step(state, torch.tensor(seq[j - 1]))
+        total += torch.log_softmax(head.logits(h, state), -1)[seq[j]].item()
+    return total
+
+
+def test_beam_search_shapes_and_invariants(tiny_target):
+    head = make_head(tiny_target)
+    B, W, L = 3, 6, 4
+    h = torch.randn(B, 32, generator=torch.Generator().manual_seed(3))
+    g0 = torch.tensor([5, 0, 11])
+    res = redrafter_beam_search(head, h, g0, W, L)
+    assert res.beams.shape == (B, W, L) and res.valid.shape == (B, W, L)
+    assert res.scores.dtype == torch.float32 and res.token_logprobs.shape == (B, W, L - 1)
+    assert (res.beams[:, :, 0] == g0[:, None]).all() and res.valid.all()
+    assert (res.scores[:, :-1] >= res.scores[:, 1:]).all()  # best first
+    torch.testing.assert_close(res.token_logprobs.sum(-1), res.scores)
+    for b in range(B):
+        beams = [tuple(x) for x in res.beams[b].tolist()]
+        assert len(set(beams)) == W  # no duplicate beams
+        for w, seq in enumerate(beams):
+            assert res.scores[b, w].item() == pytest.approx(sequence_score(head, h[b], seq), abs=1e-4)
+        # Row b's beams do not depend on the other rows.
+        alone = redrafter_beam_search(head, h[b: b + 1], g0[b: b + 1], W, L)
+        assert torch.equal(alone.beams[0], res.beams[b])
+
+
+def test_only_the_root_expands_at_the_first_step(tiny_target):
+    head = make_head(tiny_target)
+    h, g0 = torch.randn(2, 32), torch.tensor([3, 7])
+    res = redrafter_beam_search(head, h, g0, 5, 2)
+    top = root_log_probs(head, h, g0).topk(5, dim=-1)
+    assert torch.equal(res.beams[:, :, 1], top.indices)  # W distinct children of [g0]
+    torch.testing.assert_close(res.scores, top.values)
+
+
+def test_wide_search_is_exhaustive_and_never_returns_junk(tiny_target):
+    """W above the number of distinct continuations: every sequence once, the rest invalid."""
+    head = make_head(tiny_target)
+    V = tiny_target.vocab_size
+    h, g0 = torch.randn(2, 32, generator=torch.Generator().manual_seed(4)), torch.tensor([1, 2])
+    for L, W in ((2, V + 4), (3, V * V + 7)):
+        res = redrafter_beam_search(head, h, g0, W, L)
+        n = V ** (L - 1)
+        full = res.valid.all(dim=-1)
+        assert (full.sum(dim=1) == n).all() and full[:, :n].all()
+        assert torch.isfinite(res.scores[full]).all() and torch.isinf(res.scores[~full]).all()
+        assert not res.valid[:, n:, 1:].any() and res.valid[:, :, 0].all()  # prefix-closed
+        for b in range(2):
+            drafted = {tuple(x) for x in res.beams[b, :n, 1:].tolist()}
+            assert drafted == set(itertools.product(range(V), repeat=L - 1))
+    # A narrower search returns a subset of all sequences: rank by rank, no better.
+    exhaustive = redrafter_beam_search(head, h, g0, V * V, 3)
+    narrow = redrafter_beam_search(head, h, g0, 7, 3)
+    assert (narrow.scores <= exhaustive.scores[:, :7] + 1e-5).all()
+
+
+def test_beam_length_one_is_plain_decoding(tiny_target):
+    res = redrafter_beam_search(make_head(tiny_target), torch.randn(2, 32), torch.tensor([4, 5]), 3, 1)
+    assert res.beams.shape == (2, 3, 1) and res.valid.all()
+    assert torch.isfinite(res.scores[:, 0]).all() and torch.isinf(res.scores[:, 1:]).all()
+
+
+# ---- the drafter in the engine --------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["own", "shared"])
+def test_greedy_output_is_the_targets(tiny_target, variant):
+    drafter = ReDrafter(make_head(tiny_target, variant), beam_width=4, beam_length=5)
+    plain = generate_ids(tiny_target, NoDrafter(), PROMPTS)
+    assert generate_ids(tiny_target, drafter, PROMPTS) == plain  # batch 3, ragged
+    for prompt, expected in zip(PROMPTS, plain):
+        assert generate_ids(tiny_target, drafter, [prompt]) == [expected]  # batch 1
+        assert reference_ids(tiny_target, prompt, 24) == expected
+
+
+def test_greedy_exact_with_more_beams_than_continuations(tiny_target):
+    V = tiny_target.vocab_size
+    drafter = ReDrafter(make_head(tiny_target), beam_width=V + 5, beam_length=2)
+    kw = dict(max_new_tokens=16, ignore_eos=True)
+    assert generate_ids(tiny_target, drafter, PROMPTS, **kw) == generate_ids(tiny_target, NoDrafter(), PROMPTS, **kw)
+
+
+def test_sampling_runs_and_is_reproducible(tiny_target):
+    drafter = ReDrafter(make_head(tiny_target))
+    kw = dict(temperature=1.0, seed=7, max_new_tokens=12)
+    first = generate_ids(tiny_target, drafter, PROMPTS, **kw)
+    assert first == generate_ids(tiny_target, drafter, PROMPTS, **kw)
+    assert all(0 <= t < tiny_target.vocab_size for ids in first for t in ids)
+
+
+def greedy_corpus(target, n, prompt_len, new_tokens, seed):
+    """(tokens (n, P+G), hidden (n, P+G, d), loss mask (n, P+G)): the target's own greedy
+    continuations of random prompts; positions whose next token is generated are kept."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(1, target.vocab_size, (n, prompt_len), generator=g)
+    with torch.no_grad():
+        seq = target.model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                                    max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+        hidden = target.base(input_ids=seq).last_hidden_state
+    keep = torch.arange(seq.shape[1])[None, :].expand_as(seq) >= prompt_len - 1
+    return seq, hidden, keep
+
+
+def train(module, logits_fn, seq, keep, K, steps, lr=1e-2):
+    labels = future_labels(seq, K).masked_fill(~keep[:, :, None], -100)
+    module.train().requires_grad_(True)
+    opt = torch.optim.Adam(module.parameters(), lr=lr)
+    for _ in range(steps):
+        loss = torch.nn.functional.cross_entropy(logits_fn().flatten(0, 2), labels.flatten(), ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return module.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def cycling_target(tmp_path_factory):
+    """A tiny target whose greedy continuations are varied cycles (not one fixed token)."""
+    return load_target(str(make_tiny_llama(tmp_path_factory.mktemp("cyc") / "m", vocab_size=64, seed=1)))
+
+
+def tokens_per_step(target, drafter, prompts):
+    results = SpeculativeEngine(target, drafter).generate(prompts, SamplingParams(max_new_tokens=32, ignore_eos=True))
+    return sum(r.new_tokens for r in results) / sum(r.steps for r in results)
+
+
+def test_trained_head_gets_multi_token_acceptance(cycling_target):
+    """Distilled on the target's own greedy outputs, beam search + tree verification must
+    accept several tokens per step: this fails if h and g0 are misaligned."""
+    target = cycling_target
+    seq, hidden, keep = greedy_corpus(target, 96, 4, 24, seed=1)
+    head = make_head(target, beam_length=5)
+    train(head, lambda: head.teacher_forced_logits(hidden, seq, 4), seq, keep, K=4, steps=100)
+    prompts = torch.randint(1, 64, (6, 5), generator=torch.Generator().manual_seed(9)).tolist()
+    tau = tokens_per_step(target, ReDrafter(head, beam_width=4), prompts)
+    untrained = tokens_per_step(target, ReDrafter(make_head(target), beam_width=4), prompts)
+    assert tau > 1.5 and tau > untrained + 0.4, (tau, untrained)
+    assert generate_ids(target, ReDrafter(head), prompts) == generate_ids(target, NoDrafter(), prompts)
+
+
+# ---- checkpoints -----------------------------------------------------------------------
+
+
+def test_checkpoint_roundtrip_and_beam_defaults(tiny_target, tmp_path):
+    head = make_head(tiny_target, "shared", num_blocks=3, beam_width=3, beam_length=4)
+    head.save(tmp_path / "ck")
+    cfg = json.loads((tmp_path / "ck" / CONFIG).read_text())
+    assert cfg["kind"] == "redrafter" and cfg["target"]["vocab_size"] == tiny_target.vocab_size
+    assert set(load_file(str(tmp_path / "ck" / WEIGHTS))) == set(head.state_dict())
+    drafter = ReDrafter.load(tmp_path / "ck", tiny_target)
+    assert (drafter.W, drafter.L) == (3, 4)
+    assert (ReDrafter.load(tmp_path / "ck", tiny_target, beam_width=9, beam_length=2).W,) == (9,)
+    h, s = torch.randn(2, 32), torch.randn(2, 32)
+    torch.testing.assert_close(drafter.head.logits(h, s), head.logits(h, s))
+    assert generate_ids(tiny_target, drafter, PROMPTS) == generate_ids(tiny_target, ReDrafter(head), PROMPTS)
+    with pytest.raises(SpecdraftError, match="beam width"):
+        ReDrafter.load(tmp_path / "ck", tiny_target, beam_width=0)
+
+
+@pytest.fixture(scope="module")
+def other_targets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("others")
+    return {"vocab": load_target(str(make_tiny_llama(root / "v", vocab_size=24))),
+            "hidden": load_target(str(make_tiny_llama(root / "h", hidden_size=48)))}
+
+
+def one_line(excinfo) -> str:
+    msg = str(excinfo.value)
+    assert msg and "\n" not in msg
+    return msg
+
+
+def test_load_errors_are_one_line(tiny_target, other_targets, tmp_path):
+    good = make_head(tiny_target).save(tmp_path / "good")
+
+    def fails(path, target=tiny_target, match=None):
+        with pytest.raises(SpecdraftError, match=match) as e:
+            ReDrafter.load(path, target)
+        return one_line(e)
+
+    fails(tmp_path / "missing", match="not found")
+    (tmp_path / "file").write_text("x")
+    fails(tmp_path / "file", match="not a drafter checkpoint")
+    fails(good, other_targets["vocab"], match="vocab_size")
+    fails(good, other_targets["hidden"], match="hidden_size")
+
+    def variant(name, config=None, weights=None):
+        folder = tmp_path / name
+        folder.mkdir()
+        raw = json.loads((good / CONFIG).read_text())
+        (folder / CONFIG).write_text(config(raw) if callable(config) else json.dumps(raw))
+        if weights is not None:
+            weights(folder / WEIGHTS)
+        return folder
+
+    copy = lambda p: p.write_bytes((good / WEIGHTS).read_bytes())
+    fails(variant("noweights"), match="no model.safetensors")
+    fails(variant("pickle", weights=lambda p: torch.save({}, p.with_name("pytorch_model.bin"))),
+          match="only safetensors")
+    fails(variant("corrupt", weights=lambda p: p.write_bytes(b"\x00garbage" * 10)), match="not a valid safetensors")
+    fails(variant("badjson", config=lambda raw: "{nope", weights=copy), match="corrupt")
+    fails(variant("medusa", config=lambda raw: json.dumps({**raw, "kind": "medusa"}), weights=copy),
+          match="expected a 'redrafter'")
+    fails(variant("nokind", config=lambda raw: json.dumps({k: v for k, v in raw.items() if k != "kind"}),
+                  weights=copy), match="no 'kind'")
+    fails(variant("blocks", config=lambda raw: json.dumps({**raw, "num_blocks": 3}), weights=copy),
+          match="do not match")
+    fails(variant("variant", config=lambda raw: json.dumps({**raw, "head": "shared"}), weights=copy),
+          match="do not match")
+    fails(variant("badhead", config=lambda raw: json.dumps({**raw, "head": "tied"}), weights=copy), match="head")
+    fails(variant("shape", weights=lambda p: save_file(
+        {**load_file(str(good / WEIGHTS)), "rnn_u.bias": torch.zeros(5)}, str(p))), match="shape")
+    medusa = MedusaHeads.for_target(tiny_target).save(tmp_path / "medusa-real")
+    fails(medusa, match="is a 'medusa' checkpoint")
+
+
+# ---- export ----------------------------------------------------------------------------
+
+
+def trtllm_logits(tensors, config, h, s):
+    """The TensorRT-LLM layout's output computed from its own names: [h; s] → blocks → out."""
+    z = torch.cat([h, s], -1)
+    N = config["num_draft_layers"]
+    for i in range(N):
+        z = z + torch.nn.functional.silu(z @ tensors[f"lm_head.{i}.linear.weight"].T + tensors[f"lm_head.{i}.linear.bias"])
+    return z @ tensors[f"lm_head.{N}.weight"].T
+
+
+@pytest.mark.parametrize("variant", ["own", "shared"])
+def test_export_trtllm_layout(tiny_target, tmp_path, variant):
+    head = make_head(tiny_target, variant)
+    export_trtllm(head.save(tmp_path / "ck"), tmp_path / "trt", target=tiny_target)
+    tensors = load_file(str(tmp_path / "trt" / WEIGHTS))
+    config = json.loads((tmp_path / "trt" / CONFIG).read_text())
+    d, V = tiny_target.hidden_size, tiny_target.vocab_size
+    assert config == {"hidden_size": d, "exit_dim": 2 * d, "num_draft_layers": 2, "rnn": True, "vocab_size": V}
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == {
+        "lm_head.0.linear.weight": (2 * d, 2 * d), "lm_head.0.linear.bias": (2 * d,),
+        "lm_head.1.linear.weight": (2 * d, 2 * d), "lm_head.1.linear.bias": (2 * d,),
+        "lm_head.2.weight": (V, 2 * d), "rnn_u.weight": (d, d), "rnn_u.bias": (d,), "rnn_w.weight": (d, d)}
+    h, x = torch.randn(3, d), torch.tensor([1, 5, 9])
+    s = torch.nn.functional.silu(tiny_target.model.get_input_embeddings()(x) @ tensors["rnn_w.weight"].T
+                                 + tensors["rnn_u.bias"])  # s_1 from s_0 = 0
+    torch.testing.assert_close(s, head.step(head.initial_state((3,)), x))
+    torch.testing.assert_close(trtllm_logits(tensors, config, h, s), head.logits(h, s), rtol=1e-4, atol=1e-4)
+
+
+def test_export_refuses_medusa(tiny_target, tmp_path):
+    with pytest.raises(SpecdraftError, match="expected a 'redrafter'"):
+        export_trtllm(MedusaHeads.for_target(tiny_target).save(tmp_path / "m"), tmp_path / "out")

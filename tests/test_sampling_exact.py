@@ -1,0 +1,234 @@
+"""Statistical exactness of speculative sampling through the whole engine.
+
+On a tiny random Llama with a 6-token vocabulary, thousands of rows decode the same
+prompt in one batch (one seed per row). The law of each row's output (its first K = 4
+tokens, or fewer when EOS ends it) is compared with the *exact* law, enumerated with the
+plain Hugging Face model: p(t1 | prompt) p(t2 | prompt, t1) ..., each p after the same
+temperature -> top-k -> top-p processing (``specdraft.sampling.target_probs``).
+
+Statistic: a G-test (likelihood ratio, chi-square tail from torch.special.gammaincc);
+outcomes with expected count < 5 are pooled into one bin, and an outcome of exact
+probability 0 fails outright. Threshold: fail when p < ALPHA = 1e-3. With 11 exactness
+cases below, an exact engine would fail some case with probability about 1.1% for a
+random choice of seeds; the seeds are fixed, so a pass is reproducible (no flakiness) and
+a failure is a real signal. The power tests show that known biases give p far below it.
+
+Why also a deterministic "oracle beams" drafter besides random beams: candidates drawn
+uniformly at random, independently of p, hide some wrong acceptance rules on average
+(see test_acceptance.py), whereas candidates that are a fixed function of the history
+(like a beam search's or a lookup table's) must be verified exactly for every history.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from drafters_for_tests import RandomBeamsDrafter, SampledChainDrafter
+from specdraft.drafters import LookupDrafter, NoDrafter
+from specdraft.drafters.base import DraftContext, Drafter, Proposal
+from specdraft.engine import SpeculativeEngine
+from specdraft.models import load_target
+from specdraft.sampling import SamplingParams, target_probs
+from stats import g_test
+
+from conftest import make_tiny_llama
+
+V = 6
+K = 4  # tokens per request: the first comes from prefill, the rest from one or more trees
+ALPHA = 1e-3
+PROMPT_A = [1, 2, 3, 4, 5, 2, 3]  # repeated n-grams, so lookup has candidates
+PROMPT_B = [4, 4, 2, 5]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    torch.set_num_threads(1)
+    return load_target(str(make_tiny_llama(tmp_path_factory.mktemp("exact") / "tiny6", vocab_size=V, seed=1)))
+
+
+def knobs(params: SamplingParams, n: int):
+    return (torch.full((n,), params.temperature), torch.full((n,), params.top_k, dtype=torch.long),
+            torch.full((n,), params.top_p))
+
+
+def exact_law(target, prompt: list[int], params: SamplingParams, depth: int = K):
+    """(law, table): law maps every possible output (a tuple of <= depth tokens, ending at
+    EOS unless ignore_eos) to its exact probability; table maps history (prompt + output
+    so far) to p for the next token."""
+    eos = target.eos_ids
+    law: dict[tuple[int, ...], float] = {}
+    table: dict[tuple[int, ...], torch.Tensor] = {}
+    frontier: dict[tuple[int, ...], float] = {(): 1.0}
+    for d in range(depth):
+        prefixes = list(frontier)
+        ids = torch.tensor([prompt + list(pre) for pre in prefixes])
+        with torch.no_grad():
+            logits = target.model(ids).logits[:, -1].float()
+        probs = target_probs(logits, *knobs(params, len(prefixes)))
+        if params.top_p < 1:  # the top-p cut must not sit within float noise of a token
+            scores = (logits / params.temperature).softmax(-1).sort(-1, descending=True).values
+            before = scores.cumsum(-1) - scores
+            assert (before - params.top_p).abs().min() > 1e-4, "top-p boundary too close to call"
+        new: dict[tuple[int, ...], float] = {}
+        for pre, row in zip(prefixes, probs):
+            table[tuple(prompt) + pre] = row
+            for tok, pt in enumerate(row.tolist()):
+                if pt > 0:
+                    seq, pr = pre + (tok,), frontier[pre] * pt
+                    ended = d == depth - 1 or (tok in eos and not params.ignore_eos)
+                    (law if ended else new)[seq] = pr
+        frontier = new
+    return law, table
+
+
+class OracleBeamsDrafter(Drafter):
+    """Deterministic candidates that a perfect beam search might propose, from the exact
+    table: beam 0 follows the argmax, beam 1 starts with the second most likely token,
+    beam 2 with the least likely one (often of probability 0), each continued by argmax.
+    A fixed function of the history, so every history's candidates are verified exactly."""
+
+    name = "oracle-beams"
+
+    def __init__(self, table: dict, beam_length: int = 4):
+        self.table, self.L = table, beam_length
+
+    def _chain(self, history: tuple[int, ...], first: int) -> list[int]:
+        out = [first]
+        while len(out) < self.L - 1 and history + tuple(out) in self.table:
+            out.append(int(self.table[history + tuple(out)].argmax()))
+        return out
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        B, W, L = len(ctx.tokens), 3, self.L
+        beams = ctx.g0[:, None, None].repeat(1, W, L)
+        valid = torch.zeros(B, W, L, dtype=torch.bool)
+        valid[:, :, 0] = True
+        for b, hist in enumerate(ctx.tokens):
+            history = tuple(hist.tolist())
+            p = self.table.get(history)
+            if p is None:
+                continue
+            order = p.argsort(descending=True, stable=True).tolist()
+            for w, first in enumerate([order[0], order[1], order[-1]]):
+                chain = self._chain(history, first)
+                beams[b, w, 1: 1 + len(chain)] = torch.tensor(chain)
+                valid[b, w, 1: 1 + len(chain)] = True
+        return Proposal(beams=beams, valid=valid)
+
+
+class PointMassAsSampledDrafter(OracleBeamsDrafter):
+    """The reference implementation's known bug, reproduced through the real engine: the
+    drafter's candidate is deterministic (the argmax of its own distribution q), yet it
+    reports q, so the engine verifies it with min(1, p/q) as if it had been sampled from q.
+    q is a blurred copy of the target's p (a decent drafter)."""
+
+    name = "point-mass-as-sampled"
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        B, L = len(ctx.tokens), self.L
+        beams = ctx.g0[:, None].repeat(1, L)
+        valid = torch.ones(B, L, dtype=torch.bool)
+        q = torch.full((B, L - 1, V), 1.0 / V)
+        for b, hist in enumerate(ctx.tokens):
+            history = tuple(hist.tolist())
+            for j in range(L - 1):
+                p = self.table.get(history)
+                if p is None:
+                    valid[b, j + 1:] = False
+                    break
+                q[b, j] = 0.5 * p + 0.5 / V
+                beams[b, j + 1] = int(q[b, j].argmax())
+                history += (int(beams[b, j + 1]),)
+        return Proposal(beams=beams[:, None], valid=valid[:, None], q=q)
+
+
+def run_rows(target, drafter, prompts, params_list):
+    with torch.no_grad():
+        results = SpeculativeEngine(target, drafter).generate(prompts, params_list)
+    return [tuple(r.token_ids) for r in results], results
+
+
+def sample_case(target, drafter_fn, params: SamplingParams, n: int, prompt=PROMPT_A):
+    law, table = exact_law(target, prompt, params)
+    outs, results = run_rows(target, drafter_fn(table), [prompt] * n,
+                             [SamplingParams(**{**params.__dict__, "seed": s}) for s in range(n)])
+    res = g_test(Counter(outs), law)
+    steps = sum(r.steps for r in results) / n
+    return res, steps
+
+
+T1 = dict(max_new_tokens=K, temperature=1.0, top_p=0.9, ignore_eos=True)
+T07 = dict(max_new_tokens=K, temperature=0.7, top_p=0.9, ignore_eos=True)
+TOPK = dict(max_new_tokens=K, temperature=1.0, top_k=3, ignore_eos=True)
+
+CASES = {
+    "autoregressive T=1 top-p": (lambda t: NoDrafter(), T1),
+    "random beams T=0.7 top-p": (lambda t: RandomBeamsDrafter(V, beam_width=3, beam_length=4), T07),
+    "random beams T=1 top-k": (lambda t: RandomBeamsDrafter(V, beam_width=3, beam_length=4, seed=1), TOPK),
+    "oracle beams T=1 top-p": (lambda t: OracleBeamsDrafter(t), T1),
+    "oracle beams T=0.7 top-p": (lambda t: OracleBeamsDrafter(t), T07),
+    "oracle beams T=1 top-k": (lambda t: OracleBeamsDrafter(t), TOPK),
+    "lookup T=1 top-p with EOS": (lambda t: LookupDrafter(beam_width=2, beam_length=4), {**T1, "ignore_eos": False}),
+    "sampled chain T=0.7 top-p": (lambda t: SampledChainDrafter(V, beam_length=4), T07),
+    "sampled chain T=1 top-k": (lambda t: SampledChainDrafter(V, beam_length=4, seed=1), TOPK),
+}
+N_ROWS = 6000
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_speculative_sampling_matches_exact_law(target, case):
+    drafter_fn, params = CASES[case]
+    res, steps = sample_case(target, drafter_fn, SamplingParams(**params), N_ROWS)
+    print(f"{case}: {res} steps/row={steps:.2f}")
+    assert res.p_value > ALPHA, f"{case}: {res}"
+    if not case.startswith("autoregressive"):
+        assert steps < K, "drafts were never accepted: the case tests nothing"
+
+
+def test_mixed_batch_ragged_prompts_and_greedy_rows(target):
+    """One batch mixing prompts of different lengths, sampling settings and greedy rows:
+    each population must follow its own exact law; greedy rows match plain argmax."""
+    pa, pb = SamplingParams(**T1), SamplingParams(**{**TOPK, "temperature": 0.7})
+    law_a, table_a = exact_law(target, PROMPT_A, pa)
+    law_b, table_b = exact_law(target, PROMPT_B, pb)
+    greedy = SamplingParams(max_new_tokens=K, ignore_eos=True)
+    kinds = [(PROMPT_A, pa), (PROMPT_B, pb), (PROMPT_A, greedy)]
+    n = 3 * 4000
+    prompts = [kinds[i % 3][0] for i in range(n)]
+    params = [SamplingParams(**{**kinds[i % 3][1].__dict__, "seed": i}) for i in range(n)]
+    outs, _ = run_rows(target, OracleBeamsDrafter({**table_a, **table_b}), prompts, params)
+    res_a = g_test(Counter(outs[0::3]), law_a)
+    res_b = g_test(Counter(outs[1::3]), law_b)
+    print(f"mixed A: {res_a}\nmixed B: {res_b}")
+    assert res_a.p_value > ALPHA, str(res_a)
+    assert res_b.p_value > ALPHA, str(res_b)
+    ar, _ = run_rows(target, NoDrafter(), [PROMPT_A], [greedy])
+    assert set(outs[2::3]) == set(ar)
+
+
+def test_power_point_mass_treated_as_sampled_is_detected(target):
+    """The reference's sampling bug is flagged by the same statistic at the same size."""
+    res, _ = sample_case(target, lambda t: PointMassAsSampledDrafter(t), SamplingParams(**T1), N_ROWS)
+    print(f"point mass treated as sampled: {res}")
+    assert res.p_value < ALPHA, str(res)
+
+
+def test_greedy_speculative_equals_autoregressive(target):
+    prompts = [PROMPT_A, PROMPT_B, [5], [2, 2, 2, 2, 2, 3, 1]]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ar, _ = run_rows(target, NoDrafter(), prompts, params)
+    table = {}
+    for p in prompts:
+        table.update(exact_law(target, p, SamplingParams(max_new_tokens=3, temperature=1.0), depth=3)[1])
+    for drafter in [RandomBeamsDrafter(V, beam_width=3, beam_length=4), LookupDrafter(beam_width=2, beam_length=5),
+                    SampledChainDrafter(V, beam_length=4), OracleBeamsDrafter(table)]:
+        spec, results = run_rows(target, drafter, prompts, params)
+        assert spec == ar, drafter.name
+    # With EOS honoured too (t0 is EOS).
+    params = SamplingParams(max_new_tokens=24)
+    ar, _ = run_rows(target, NoDrafter(), prompts, params)
+    spec, _ = run_rows(target, RandomBeamsDrafter(V, beam_width=3, beam_length=4), prompts, params)
+    assert spec == ar
