@@ -1,5 +1,5 @@
-"""Goodness-of-fit helpers for the exactness tests (no scipy: the chi-square tail comes
-from torch.special.gammaincc).
+"""Helpers for the exactness tests: goodness of fit (no scipy: the chi-square tail comes
+from torch.special.gammaincc) and a plain reference of recursive rejection.
 
 ``g_test(counts, probs)`` compares observed outcomes with an exact distribution by a
 likelihood-ratio (G) test. Categories whose expected count is below ``min_expected`` are
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Hashable, Mapping
 
 import torch
+
+from specdraft.acceptance import Acceptance
 
 
 def chi2_sf(x: float, df: int) -> float:
@@ -80,3 +82,35 @@ def g_test_strata(strata: list[tuple[Mapping[Hashable, int], Mapping[Hashable, f
     impossible = sum(t.impossible for t in parts)
     return GTest(G=G, df=df, p_value=0.0 if impossible else chi2_sf(G, df), n=n,
                  tv=max(t.tv for t in parts), impossible=impossible, bins=sum(t.bins for t in parts))
+
+
+def naive_tree_sampling(tree, beams, probs, generators, renormalise: bool = True) -> Acceptance:
+    """Recursive rejection written plainly, one row and one child at a time. With
+    ``renormalise=False`` it has a classic bug: child c_k is accepted with probability
+    p(c_k) instead of p(c_k) / (mass not yet rejected)."""
+    B, W, L = beams.shape
+    path = torch.zeros(B, L, dtype=torch.long)
+    n = torch.ones(B, dtype=torch.long)
+    nxt = torch.zeros(B, dtype=torch.long)
+    beam = torch.zeros(B, dtype=torch.long)
+    for b in range(B):
+        g, node, alive, j = generators[b], 0, list(range(W)), 0
+        while True:
+            r = probs[b, node].clone()
+            children = [w for w in alive if j + 1 < L and tree.valid[b, w, j + 1] and tree.owner[b, w, j + 1] == w]
+            chosen = None
+            for w in children:
+                tok = beams[b, w, j + 1]
+                mass = float(r.sum()) if renormalise else 1.0
+                if float(torch.rand((), generator=g)) * mass < float(r[tok]):
+                    chosen = w
+                    break
+                r[tok] = 0
+            if chosen is None:
+                nxt[b] = torch.multinomial(r if r.sum() > 0 else probs[b, node], 1, generator=g)[0]
+                break
+            alive = [w for w in alive if tree.owner[b, w, j + 1] == chosen]
+            node, j = int(tree.unpack[b, chosen, j + 1]), j + 1
+            beam[b], n[b] = chosen, j + 1
+        path[b] = tree.unpack[b, beam[b]]
+    return Acceptance(path=path, n=n, next_token=nxt, beam=beam)

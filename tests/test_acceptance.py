@@ -15,10 +15,10 @@ from collections import Counter
 
 import torch
 
-from specdraft.acceptance import Acceptance, accept_chain_sampling, accept_greedy, accept_tree_sampling
+from specdraft.acceptance import accept_chain_sampling, accept_greedy, accept_tree_sampling
 from specdraft.sampling import make_generator
 from specdraft.tree import pack_beams
-from stats import chi2_sf, g_test, g_test_strata
+from stats import chi2_sf, g_test, g_test_strata, naive_tree_sampling
 
 T, F = True, False
 V = 5
@@ -310,38 +310,6 @@ def test_tree_sampling_is_exact_statistically():
     print("tree sampling:", res)
     assert res.p_value > ALPHA, str(res)
     assert (acc.n == 4).any() and (acc.n == 1).any()  # full beams and immediate rejections
-
-
-def naive_tree_sampling(tree, beams, probs, generators, renormalise: bool = True) -> Acceptance:
-    """Recursive rejection written plainly, one row and one child at a time. With
-    ``renormalise=False`` it has a classic bug: child c_k is accepted with probability
-    p(c_k) instead of p(c_k) / (mass not yet rejected)."""
-    B, W, L = beams.shape
-    path = torch.zeros(B, L, dtype=torch.long)
-    n = torch.ones(B, dtype=torch.long)
-    nxt = torch.zeros(B, dtype=torch.long)
-    beam = torch.zeros(B, dtype=torch.long)
-    for b in range(B):
-        g, node, alive, j = generators[b], 0, list(range(W)), 0
-        while True:
-            r = probs[b, node].clone()
-            children = [w for w in alive if j + 1 < L and tree.valid[b, w, j + 1] and tree.owner[b, w, j + 1] == w]
-            chosen = None
-            for w in children:
-                tok = beams[b, w, j + 1]
-                mass = float(r.sum()) if renormalise else 1.0
-                if float(torch.rand((), generator=g)) * mass < float(r[tok]):
-                    chosen = w
-                    break
-                r[tok] = 0
-            if chosen is None:
-                nxt[b] = torch.multinomial(r if r.sum() > 0 else probs[b, node], 1, generator=g)[0]
-                break
-            alive = [w for w in alive if tree.owner[b, w, j + 1] == chosen]
-            node, j = int(tree.unpack[b, chosen, j + 1]), j + 1
-            beam[b], n[b] = chosen, j + 1
-        path[b] = tree.unpack[b, beam[b]]
-    return Acceptance(path=path, n=n, next_token=nxt, beam=beam)
 
 
 def test_naive_rule_is_exact_too():

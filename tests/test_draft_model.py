@@ -96,14 +96,41 @@ def test_greedy_matches_autoregressive(tiny, which, beam_width):
     assert alone[0].token_ids == base[0].token_ids
 
 
-def test_perfect_draft_accepts_everything(tiny):
-    """The target as its own draft must accept all gamma drafts + 1 per step: any cache slip
-    (a wrong position, a stale or missing entry) shows up as a rejection."""
+def test_mixed_batch_is_reproducible(tiny):
+    """Greedy and sampling rows share a batch: greedy rows keep the target's output, and
+    sampling rows repeat exactly for the same seeds (per-row generators)."""
     target, drafts, _ = tiny
+    prompts = _prompts([5, 2, 8, 4], seed=2)
+    params = [SamplingParams(max_new_tokens=24, temperature=t, top_p=0.9, seed=10 + i, ignore_eos=True)
+              for i, t in enumerate((0.0, 0.8, 0.0, 1.0))]
+    base = SpeculativeEngine(target, NoDrafter()).generate(prompts, params)
+    runs = [SpeculativeEngine(target, DraftModelDrafter.load(drafts["noisy"], target, gamma=3)).generate(prompts, params)
+            for _ in range(2)]
+    assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
+    for i in (0, 2):
+        assert runs[0][i].token_ids == base[i].token_ids
+
+
+@pytest.fixture(scope="module")
+def sharp(tmp_path_factory):
+    """A target whose attention depends strongly on position (large init): with the
+    default init attention is nearly uniform and a wrong position id goes unnoticed."""
+    path = make_tiny_llama(tmp_path_factory.mktemp("sharp") / "target", vocab_size=16, seed=0,
+                           initializer_range=0.4)
+    return load_target(str(path)), path
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_perfect_draft_accepts_everything(sharp, temperature):
+    """The target as its own draft must accept all gamma drafts + 1 per step: any cache slip
+    (a wrong position, a stale or missing entry, a bad mask) shows up as a rejection.
+    Under sampling q equals p up to float rounding, so the chain is accepted as well."""
+    target, path = sharp
     gamma = 4
-    drafter = DraftModelDrafter.load(drafts["perfect"], target, gamma=gamma)
+    drafter = DraftModelDrafter.load(path, target, gamma=gamma)
     prompts = _prompts([4, 11, 7], seed=1)
-    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in (41, 21, 31)]
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True, temperature=temperature, top_p=0.9, seed=i)
+              for i, m in enumerate((41, 21, 31))]
     results = SpeculativeEngine(target, drafter).generate(prompts, params)
     for r in results:
         tau = (r.new_tokens - 1) / (r.steps - 1)  # per verification step, the prefill left out
@@ -115,10 +142,16 @@ def test_perfect_draft_accepts_everything(tiny):
 
 
 def test_registry_builds_draft(tiny):
-    target, drafts, _ = tiny
+    target, drafts, root = tiny
     drafter = build_drafter(f"draft:{drafts['small']}", target, gamma=3)
     assert isinstance(drafter, DraftModelDrafter) and drafter.gamma == 3 and drafter.W == 1
     assert drafter.num_parameters < sum(p.numel() for p in target.model.parameters())
+    # A folder without tokenizer files is checked by vocabulary size only.
+    bare = root / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(drafts["small"] / name, bare / name)
+    assert DraftModelDrafter.load(bare, target, beam_width=2).W == 2
 
 
 # ---- 2. sampling: the output distribution is exactly the target's ----------------------
@@ -164,18 +197,20 @@ def tiny6(tmp_path_factory):
 
 @pytest.mark.parametrize("temperature,beam_width", [(0.7, 1), (1.0, 1), (1.0, 2)])
 def test_sampling_matches_target_distribution(tiny6, temperature, beam_width):
-    """Joint law of the first 4 sampled tokens vs the exact one, enumerated.
+    """Joint law of the first 4 sampled tokens vs the exact one, enumerated (6^4 cells).
 
-    Sample size: 2000 rows (seeds 0..1999) in one batch. Cells with expected count < 5 are
-    pooled so Pearson's statistic is close to chi-square(df) under exactness; we fail at
-    p < 1e-3, so an exact sampler fails one configuration in 1000 (the seeds are fixed, so
-    the outcome is deterministic). Power: the test must reject the draft's own law (what a
-    sampler that always kept its drafts would produce); its expected statistic
-    n * sum (q - p)^2 / p is checked below to be far above the threshold, and a bias of
-    TV 0.05 over ~20 cells already adds ~ 2000 * 0.05^2 * 20 / 1 >> df to the statistic.
+    Sample size: 4000 rows (seeds 0..3999) in one batch. Cells with expected count < 5
+    are pooled, so Pearson's statistic is close to chi-square(df) under exactness
+    (df ~ 65-100 here); we fail at p < 1e-3 (statistic above ~107 for df 66, ~148 for
+    df 99): an exact sampler fails one configuration in 1000, and as the seeds are fixed
+    the outcome is deterministic. Power: a bias of total variation e adds at least
+    n * (2e)^2 to the expected statistic (Cauchy-Schwarz: sum d^2/p >= (sum |d|)^2), i.e.
+    >= 80 for e = 0.07, which pushes it past the threshold. Drawing drafts from q^2 while
+    reporting q gave statistics of 258 (T=0.7) and 224 (T=1.0). The draft's own law (a
+    sampler that kept every draft) would add thousands, checked below.
     """
     target, draft_path = tiny6
-    n_rows, n_tokens, prompt = 2000, 4, [1, 2, 3]
+    n_rows, n_tokens, prompt = 4000, 4, [1, 2, 3]
     params = [SamplingParams(max_new_tokens=n_tokens, temperature=temperature, top_p=0.9, seed=i,
                              ignore_eos=True) for i in range(n_rows)]
     drafter = DraftModelDrafter.load(draft_path, target, gamma=3, beam_width=beam_width)
@@ -186,10 +221,11 @@ def test_sampling_matches_target_distribution(tiny6, temperature, beam_width):
     counts = torch.bincount(index, minlength=V ** n_tokens).double()
     exact = _exact_joint(target, prompt, n_tokens, params[0]).double()
     stat, df, pvalue = _chi_square(counts, n_rows * exact)
-    print(f"T={temperature} W={beam_width}: chi2={stat:.1f} df={df} p={pvalue:.3f}")
+    steps = sum(r.steps for r in results)
+    print(f"T={temperature} W={beam_width}: chi2={stat:.1f} df={df} p={pvalue:.3f} "
+          f"target steps per row {steps / n_rows:.2f}")
     assert pvalue > 1e-3, (stat, df, pvalue)
     # Speculation really happened: fewer target steps than tokens, yet not all accepted.
-    steps = sum(r.steps for r in results)
     assert n_rows * 2 < steps < n_rows * n_tokens
 
     # Power check: the draft's own joint law is clearly rejected at this sample size.
@@ -197,6 +233,7 @@ def test_sampling_matches_target_distribution(tiny6, temperature, beam_width):
     q = _exact_joint(draft, prompt, n_tokens, params[0]).double()
     support = exact > 0
     noncentral = n_rows * float(((q[support] - exact[support]) ** 2 / exact[support]).sum())
+    print(f"  draft law: expected excess statistic {noncentral:.0f}")
     assert noncentral > 10 * df
 
 

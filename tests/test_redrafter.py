@@ -189,6 +189,28 @@ def test_sampling_runs_and_is_reproducible(tiny_target):
     first = generate_ids(tiny_target, drafter, PROMPTS, **kw)
     assert first == generate_ids(tiny_target, drafter, PROMPTS, **kw)
     assert all(0 <= t < tiny_target.vocab_size for ids in first for t in ids)
+    wide = ReDrafter(make_head(tiny_target), beam_width=tiny_target.vocab_size + 5, beam_length=2)
+    assert len(generate_ids(tiny_target, wide, PROMPTS, **kw)) == 3  # invalid slots under sampling
+
+
+def test_h_is_the_state_that_chose_g0(tiny_target):
+    """Alignment of h with g0, exactly: a shared head whose output is LM(h) (P = [I 0], no
+    blocks) must draft g0 itself as its best first token, since LM(h) chose g0."""
+    head = make_head(tiny_target, "shared", num_blocks=0)
+    d = tiny_target.hidden_size
+    with torch.no_grad():
+        head.proj.weight.copy_(torch.cat([torch.eye(d), torch.zeros(d, d)], dim=1))
+    seen = []
+
+    class Recording(ReDrafter):
+        def propose(self, ctx):
+            proposal = super().propose(ctx)
+            if proposal.beams.shape[2] > 1:  # the last step of a request may draft nothing
+                seen.append((ctx.g0.clone(), proposal.beams[:, 0, 1].clone()))
+            return proposal
+
+    generate_ids(tiny_target, Recording(head, beam_width=2, beam_length=3), PROMPTS, ignore_eos=True)
+    assert len(seen) > 5 and all(torch.equal(g0, first) for g0, first in seen)
 
 
 def greedy_corpus(target, n, prompt_len, new_tokens, seed):
@@ -229,7 +251,8 @@ def tokens_per_step(target, drafter, prompts):
 
 def test_trained_head_gets_multi_token_acceptance(cycling_target):
     """Distilled on the target's own greedy outputs, beam search + tree verification must
-    accept several tokens per step: this fails if h and g0 are misaligned."""
+    accept several tokens per step: training's (h_t, x_{t+1}) pairs and the engine's
+    (h, g0) must agree, and accepted beams must be read back from the right tree nodes."""
     target = cycling_target
     seq, hidden, keep = greedy_corpus(target, 96, 4, 24, seed=1)
     head = make_head(target, beam_length=5)
@@ -325,7 +348,8 @@ def trtllm_logits(tensors, config, h, s):
     z = torch.cat([h, s], -1)
     N = config["num_draft_layers"]
     for i in range(N):
-        z = z + torch.nn.functional.silu(z @ tensors[f"lm_head.{i}.linear.weight"].T + tensors[f"lm_head.{i}.linear.bias"])
+        A, c = tensors[f"lm_head.{i}.linear.weight"], tensors[f"lm_head.{i}.linear.bias"]
+        z = z + torch.nn.functional.silu(z @ A.T + c)
     return z @ tensors[f"lm_head.{N}.weight"].T
 
 

@@ -21,18 +21,20 @@ uniformly at random, independently of p, hide some wrong acceptance rules on ave
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import pytest
 import torch
 
 from drafters_for_tests import RandomBeamsDrafter, SampledChainDrafter
+import specdraft.engine as engine
 from specdraft.drafters import LookupDrafter, NoDrafter
 from specdraft.drafters.base import DraftContext, Drafter, Proposal
 from specdraft.engine import SpeculativeEngine
 from specdraft.models import load_target
 from specdraft.sampling import SamplingParams, target_probs
-from stats import g_test
+from stats import g_test, naive_tree_sampling
 
 from conftest import make_tiny_llama
 
@@ -45,8 +47,10 @@ PROMPT_B = [4, 4, 2, 5]
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    torch.set_num_threads(1)
-    return load_target(str(make_tiny_llama(tmp_path_factory.mktemp("exact") / "tiny6", vocab_size=V, seed=1)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a 32-wide model: threads only add overhead
+    yield load_target(str(make_tiny_llama(tmp_path_factory.mktemp("exact") / "tiny6", vocab_size=V, seed=1)))
+    torch.set_num_threads(threads)
 
 
 def knobs(params: SamplingParams, n: int):
@@ -232,3 +236,52 @@ def test_greedy_speculative_equals_autoregressive(target):
     ar, _ = run_rows(target, NoDrafter(), prompts, params)
     spec, _ = run_rows(target, RandomBeamsDrafter(V, beam_width=3, beam_length=4), prompts, params)
     assert spec == ar
+
+
+def test_power_unnormalised_recursive_rejection_is_detected(target, monkeypatch):
+    """A subtle bug in the deterministic-candidate rule (child k accepted with p(c_k)
+    instead of p(c_k) / mass left; see stats.naive_tree_sampling) run through
+    the engine is flagged with oracle beams. (With uniformly random beams this bug is
+    exact on average and no statistic can see it: hence the oracle cases.)"""
+    monkeypatch.setattr(engine, "accept_tree_sampling", functools.partial(naive_tree_sampling, renormalise=False))
+    res, _ = sample_case(target, lambda t: OracleBeamsDrafter(t), SamplingParams(**T1), 3000)
+    print(f"unnormalised recursive rejection (engine): {res}")
+    assert res.p_value < ALPHA, str(res)
+
+
+def test_target_probs_matches_transformers_warpers():
+    """Both sides of every exactness test use target_probs, so check it independently:
+    per row, temperature -> top-k -> top-p -> softmax as transformers' own warpers do."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    gen = torch.Generator().manual_seed(0)
+    B, Vb = 300, 40
+    logits = torch.randn(B, Vb, generator=gen) * 3
+    temperature = torch.rand(B, generator=gen) * 1.5 + 0.1
+    top_k = torch.randint(0, Vb + 5, (B,), generator=gen) * (torch.rand(B, generator=gen) < 0.6)
+    # top_p < 1 on every row: top_p = 1 is covered by the next test.
+    top_p = torch.where(torch.rand(B, generator=gen) < 0.7, torch.rand(B, generator=gen), torch.full((B,), 0.999))
+    top_p = top_p.clamp(min=0.01)
+    got = target_probs(logits, temperature, top_k, top_p)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    for b in range(B):
+        scores = TemperatureLogitsWarper(float(temperature[b]))(ids, logits[b: b + 1].clone())
+        if 0 < top_k[b] < Vb:
+            scores = TopKLogitsWarper(int(top_k[b]))(ids, scores)
+        if top_p[b] < 1:
+            scores = TopPLogitsWarper(float(top_p[b]))(ids, scores)
+        want = scores.softmax(-1)[0]
+        assert torch.equal(got[b] > 0, want > 0), b
+        assert torch.allclose(got[b], want, atol=1e-6), b
+
+
+def test_top_p_one_is_a_no_op_whatever_the_batch():
+    """A request's p must not depend on the requests batched with it. With top_p = 1 (off)
+    nothing may be dropped, even when a co-batched row uses top-p or top-k."""
+    logits = torch.randn(2, 4000, generator=torch.Generator().manual_seed(0)) * 3
+    temperature = torch.full((2,), 0.5)
+    alone = target_probs(logits[:1], temperature[:1], torch.zeros(1, dtype=torch.long), torch.ones(1))[0]
+    batched = target_probs(logits, temperature, torch.zeros(2, dtype=torch.long), torch.tensor([1.0, 0.9]))[0]
+    assert torch.equal(alone > 0, batched > 0), f"{int(((alone > 0) & (batched == 0)).sum())} tokens dropped"
+    assert torch.allclose(alone, batched, atol=1e-9)

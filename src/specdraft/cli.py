@@ -44,7 +44,7 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
 def add_drafter_args(parser: argparse.ArgumentParser) -> None:
     """--drafter and the shape of its proposals."""
     g = parser.add_argument_group("drafter")
-    g.add_argument("--drafter", default="lookup", metavar="none|lookup|redrafter:PATH|draft:PATH",
+    g.add_argument("--drafter", default="lookup", metavar="none|lookup|redrafter:PATH|medusa:PATH|draft:PATH",
                    help="where candidate tokens come from: none (plain decoding), lookup (prompt "
                         "n-gram lookup), a trained recurrent drafter or a small draft model "
                         "(checkpoint folders) (default: %(default)s)")

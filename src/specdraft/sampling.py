@@ -62,9 +62,12 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         # top-p keeps the smallest head whose mass reaches top_p: drop a token when the
         # mass strictly before it already reaches top_p (the first token always stays).
+        # Rows with top_p == 1 skip this: their float32 running mass can round to 1 before
+        # the tail, which would cut tokens a row without top-p must keep.
         probs_sorted = sorted_scores.softmax(dim=-1)
         mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
-        drop = drop | (mass_before >= top_p.view(shape).float())
+        p_cut = top_p.view(shape).float()
+        drop = drop | ((mass_before >= p_cut) & (p_cut < 1))
         drop[..., 0] = False
         scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, float("-inf")))
     return scores.softmax(dim=-1)

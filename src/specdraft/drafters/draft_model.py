@@ -161,12 +161,10 @@ class DraftModelDrafter(Drafter):
         after g0. Rows feed different numbers of tokens (right-padded, at least 1)."""
         cache, device = self.cache, self.ids.device
         B = len(tokens)
-        T = torch.tensor([len(t) for t in tokens], device=device)
-        M = int(T.max())
+        sizes = [len(t) for t in tokens]
+        T, M = torch.tensor(sizes, device=device), max(sizes)
         self._reserve(M)
-        history = torch.full((B, M), -1, dtype=torch.long, device=device)
-        for b, t in enumerate(tokens):
-            history[b, : len(t)] = t
+        history = torch.nn.utils.rnn.pad_sequence(tokens, batch_first=True, padding_value=-1)
         cols = torch.arange(M, device=device)
         same = (self.ids[:, :M] == history) & (cols[None, :] < cache.lengths[:, None])
         # Keep the longest cached prefix that agrees with the history, minus g0 at least:
@@ -309,11 +307,16 @@ def check_tokenizer(tokenizer, name: str, target) -> None:
     mine, theirs = tokenizer.get_vocab(), target.tokenizer.get_vocab()
     if mine == theirs:
         return
-    differ = sorted((i, t) for t, i in mine.items() if theirs.get(t) != i)
-    differ += sorted((i, t) for t, i in theirs.items() if t not in mine)
-    example = f"; e.g. token id {differ[0][0]} is {differ[0][1]!r} in one but not the other" if differ else ""
-    raise SpecdraftError(f"draft model {name} has a different tokenizer from target {target.name} "
-                         f"({len(mine)} vs {len(theirs)} tokens, {len(differ)} differ{example})")
+    moved = sorted((i, t) for t, i in mine.items() if theirs.get(t) != i)
+    if moved:
+        i, t = moved[0]
+        where = f"id {theirs[t]}" if t in theirs else "absent"
+        detail = (f"{len(moved)} of the draft's {len(mine)} tokens map to other ids "
+                  f"(e.g. {t!r} is id {i} in the draft, {where} in the target)")
+    else:
+        extra = sorted(t for t in theirs if t not in mine)
+        detail = f"the target has {len(extra)} tokens the draft lacks (e.g. {extra[0]!r})"
+    raise SpecdraftError(f"draft model {name} has a different tokenizer from target {target.name}: {detail}")
 
 
 def load_model(folder: Path, target) -> torch.nn.Module:

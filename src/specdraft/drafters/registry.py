@@ -1,4 +1,4 @@
-"""Build a drafter from its command-line spec: none | lookup | redrafter:PATH | draft:PATH."""
+"""Build a drafter from its command-line spec: none | lookup | redrafter:PATH | medusa:PATH | draft:PATH."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from .autoregressive import NoDrafter
 from .base import Drafter
 from .lookup import LookupDrafter
 
-KINDS = ("none", "lookup", "redrafter:PATH", "draft:PATH")
+KINDS = ("none", "lookup", "redrafter:PATH", "medusa:PATH", "draft:PATH")
 
 
 def check_shapes(beam_width: int | None = None, beam_length: int | None = None, gamma: int | None = None) -> None:
@@ -35,4 +35,8 @@ def build_drafter(spec: str, target, beam_width: int | None = None, beam_length:
         from .redrafter import ReDrafter
 
         return ReDrafter.load(path, target, beam_width=beam_width, beam_length=beam_length)
+    if kind == "medusa" and path:
+        from .medusa import MedusaDrafter
+
+        return MedusaDrafter.load(path, target, beam_width=beam_width, beam_length=beam_length)
     raise SpecdraftError(f"unknown drafter {spec!r}; choose one of: {', '.join(KINDS)}")

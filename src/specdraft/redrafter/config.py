@@ -101,10 +101,10 @@ class MedusaConfig(HeadConfig):
 
     num_heads: int = 4
     num_blocks: int = 1
-    beam_length: int = 0  # 0 -> num_heads + 1, resolved in __post_init__
+    beam_length: int | None = None  # None: num_heads + 1, resolved in __post_init__
 
     def __post_init__(self):
-        if self.beam_length == 0 and isinstance(self.num_heads, int):
+        if self.beam_length is None and isinstance(self.num_heads, int):
             self.beam_length = self.num_heads + 1
         super().__post_init__()
 

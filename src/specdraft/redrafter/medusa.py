@@ -59,7 +59,7 @@ class MedusaHeads(nn.Module):
 
     @classmethod
     def for_target(cls, target, num_heads: int = 4, num_blocks: int = 1, head: str = "own",
-                   beam_width: int = 4, beam_length: int = 0) -> "MedusaHeads":
+                   beam_width: int = 4, beam_length: int | None = None) -> "MedusaHeads":
         """Freshly initialised heads for ``target``, float32, on its device. The residual
         blocks start at zero and "own" output layers as copies of the target's LM head
         (Medusa's initialisation: every head starts out predicting what the target would
@@ -89,7 +89,8 @@ class MedusaHeads(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype if len(list(self.parameters())) else torch.float32
+        first = next(self.parameters(), None)  # "shared" heads with no blocks have no parameters
+        return first.dtype if first is not None else torch.float32
 
     def logits(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """hidden (..., d) -> (..., K', V) float32 logits of the first K' heads
