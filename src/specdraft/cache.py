@@ -113,9 +113,35 @@ class CompactCache(Cache):
         self.lengths = self.lengths.index_select(0, keep)
         self.width = int(self.lengths.max()) if len(keep) else 0
 
+    def extend(self, other: "CompactCache") -> None:
+        """Append ``other``'s rows after this cache's rows (continuous batching)."""
+        cap = max(self.capacity, other.capacity)
+        n_mine, n_theirs = self.lengths.shape[0], other.lengths.shape[0]
+        for mine, theirs in zip(self.layers, other.layers):
+            if not (mine.is_initialized or theirs.is_initialized):
+                continue
+            like = mine if mine.is_initialized else theirs
+            for name in ("keys", "values"):
+                ref = getattr(like, name)
+                # A cache that has not run yet (no buffers) contributes empty rows.
+                a = getattr(mine, name) if mine.is_initialized else ref.new_zeros(n_mine, *ref.shape[1:])
+                b = getattr(theirs, name) if theirs.is_initialized else ref.new_zeros(n_theirs, *ref.shape[1:])
+                setattr(mine, name, torch.cat([_pad_slots(a, cap), _pad_slots(b, cap)]))
+            mine.dtype, mine.device, mine.is_initialized = like.dtype, like.device, True
+        self.capacity = cap
+        self.lengths = torch.cat([self.lengths, other.lengths])
+        self.width = int(self.lengths.max())
+
     def attention_mask(self, tree_mask: torch.Tensor) -> torch.Tensor:
         """4D boolean mask (B, 1, N, width + N): the row's committed slots plus its tree."""
         B, N, _ = tree_mask.shape
         slots = torch.arange(self.width, device=tree_mask.device)
         past = (slots[None, :] < self.lengths[:, None])[:, None, :].expand(B, N, self.width)
         return torch.cat([past, tree_mask], dim=2)[:, None]
+
+
+def _pad_slots(buf: torch.Tensor, capacity: int) -> torch.Tensor:
+    """(B, H, S, D) -> (B, H, capacity, D), zero slots appended."""
+    if buf.shape[2] >= capacity:
+        return buf
+    return torch.nn.functional.pad(buf, (0, 0, 0, capacity - buf.shape[2]))

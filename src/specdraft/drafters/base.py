@@ -59,7 +59,10 @@ class Drafter(ABC):
     name: str = "drafter"
 
     def start(self, ctx: DraftContext) -> None:
-        """New rows were prefilled (the whole batch, in the context's order)."""
+        """A new batch was prefilled: ``ctx`` holds all its rows, in order."""
+
+    def add_rows(self, ctx: DraftContext) -> None:
+        """Continuous batching: the rows of ``ctx`` were appended to the running batch."""
 
     @abstractmethod
     def propose(self, ctx: DraftContext) -> Proposal:

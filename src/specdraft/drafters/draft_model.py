@@ -99,15 +99,31 @@ class DraftModelDrafter(Drafter):
 
     def start(self, ctx: DraftContext) -> None:
         """A fresh batch: empty cache, one generator per sampling row."""
+        self.cache, self.ids, self.generators = self._fresh_state(ctx)
+        self.pending = None
+
+    def add_rows(self, ctx: DraftContext) -> None:
+        """New rows join the batch with empty caches; the next propose feeds their prompts."""
+        if self.cache is None:
+            return self.start(ctx)
+        cache, ids, generators = self._fresh_state(ctx)
+        self.cache.extend(cache)
+        width = max(self.ids.shape[1], ids.shape[1])
+        pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1)  # noqa: E731
+        self.ids = torch.cat([pad(self.ids), pad(ids)])
+        self.generators = self.generators + generators
+        self.pending = None
+
+    def _fresh_state(self, ctx: DraftContext):
         B, device = len(ctx.tokens), ctx.g0.device
         longest = max(len(t) for t in ctx.tokens)
         capacity = longest + self.gamma * self.W + 64  # the buffers grow by doubling if needed
-        self.cache = CompactCache(self.draft.num_layers, B, capacity, device)
-        self.ids = torch.full((B, capacity), -1, dtype=torch.long, device=device)
-        self.generators = [None if p.greedy else
-                           make_generator(None if p.seed is None else p.seed + DRAFT_SEED_OFFSET, device)
-                           for p in ctx.params] if ctx.params else [None] * B
-        self.pending = None
+        cache = CompactCache(self.draft.num_layers, B, capacity, device)
+        ids = torch.full((B, capacity), -1, dtype=torch.long, device=device)
+        generators = [None if p.greedy else
+                      make_generator(None if p.seed is None else p.seed + DRAFT_SEED_OFFSET, device)
+                      for p in ctx.params] if ctx.params else [None] * B
+        return cache, ids, generators
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> Proposal:

@@ -29,7 +29,7 @@ def build_drafter(spec: str, target, beam_width: int | None = None, beam_length:
     if kind == "draft" and path:
         from .draft_model import DraftModelDrafter
 
-        return DraftModelDrafter.load(path, target, gamma=gamma or (beam_length - 1 if beam_length else None),
+        return DraftModelDrafter.load(path, target, gamma=gamma if gamma is not None else (beam_length - 1 if beam_length and beam_length > 1 else None),
                                       beam_width=beam_width)
     if kind == "redrafter" and path:
         from .redrafter import ReDrafter

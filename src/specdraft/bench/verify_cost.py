@@ -1,0 +1,167 @@
+"""``specdraft bench --verify-cost``: what one target forward costs against the number of
+tree tokens it verifies.
+
+With P cached tokens (a prompt of a few hundred tokens), the target runs N new tokens
+(N = 1 ... 256) at positions P ... P + N - 1 under a chain mask, plus the logits head:
+exactly the engine's "verify" stage for a tree of N tokens (an attention mask's
+sparsity does not change SDPA's cost, so a chain stands for any tree). The cache is
+not committed, so every trial overwrites the same slots. The ratio cost(N) / cost(1)
+is how much drafting N - 1 tokens per step may cost before speculation stops paying.
+
+The target may be a real model or one built from a config with random weights
+(``llama-1b``, ``llama-7b``, or a config.json): timing does not depend on the weights.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ..cache import CompactCache
+from ..errors import SpecdraftError
+from ..models import Target, parse_device, parse_dtype
+from .methods import synchronize
+
+DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+# Shapes of public models (their configs), so their cost can be measured without weights.
+RANDOM_PRESETS = {
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+                     tie_word_embeddings=True),  # Llama 3.2 1B
+    "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
+                     tie_word_embeddings=False),  # Llama 2 7B
+}
+
+
+def random_target(spec: str, device: str, dtype: str) -> Target:
+    """A target with random weights from a preset name or a config.json path."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+    if spec in RANDOM_PRESETS:
+        config = LlamaConfig(**RANDOM_PRESETS[spec])
+    else:
+        path = Path(spec).expanduser()
+        folder = path.parent if path.name.endswith(".json") else path
+        if not (folder / "config.json").is_file():
+            raise SpecdraftError(f"--random-target: choose {', '.join(RANDOM_PRESETS)} or a config.json path "
+                                 f"(not found: {spec})")
+        config = AutoConfig.from_pretrained(str(folder))
+    dev, dt = parse_device(device), parse_dtype(dtype)
+    with dev:  # allocate and initialise directly on the device
+        model = AutoModelForCausalLM.from_config(config, dtype=dt, attn_implementation="sdpa")
+    model.eval().requires_grad_(False)
+    return Target(model=model, tokenizer=None, name=f"random {spec}")
+
+
+def time_forward(target: Target, cache: CompactCache, n: int, prefix: int, trials: int, warmup: int) -> list[float]:
+    """Seconds of `trials` forwards (+ logits) of n chain tokens after the cached prefix."""
+    device = target.device
+    ids = torch.randint(target.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
+    positions = (prefix + torch.arange(n, device=device))[None]
+    chain = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None]
+    mask = cache.attention_mask(chain)
+    times = []
+    with torch.no_grad():
+        for i in range(warmup + trials):
+            synchronize(device)
+            start = time.perf_counter()
+            target.logits(target.forward(ids, positions, mask, cache))
+            synchronize(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+    return times
+
+
+def prefill(target: Target, prefix: int, capacity: int) -> CompactCache:
+    """A cache holding ``prefix`` random tokens, committed."""
+    device = target.device
+    cache = CompactCache(target.num_layers, 1, capacity, device)
+    ids = torch.randint(target.vocab_size, (1, prefix), generator=torch.Generator().manual_seed(0)).to(device)
+    pos = torch.arange(prefix, device=device)
+    causal = (pos[:, None] >= pos[None, :])[None, None]
+    with torch.no_grad():
+        target.forward(ids, pos[None], causal, cache)
+    cache.commit(pos[None], torch.tensor([prefix], device=device))
+    return cache
+
+
+def measure_verify_cost(target: Target, tokens: list[int], prefix: int = 256, trials: int = 10,
+                        warmup: int = 2, progress: bool = True) -> list[dict]:
+    """One row per N: median / min / max milliseconds and the ratio to N = 1."""
+    from tqdm.auto import tqdm
+
+    if not tokens or min(tokens) < 1:
+        raise SpecdraftError("--verify-tokens must be integers >= 1")
+    if prefix < 1 or prefix + max(tokens) > target.max_context:
+        raise SpecdraftError(f"--verify-prefix {prefix} + {max(tokens)} tree tokens must fit the target's "
+                             f"context ({target.max_context})")
+    cache = prefill(target, prefix, prefix + max(tokens) + 8)
+    rows = []
+    for n in tqdm(sorted(set(tokens)), desc="verify cost", unit="N", disable=not progress):
+        times = time_forward(target, cache, n, prefix, trials, warmup)
+        rows.append({"tree_tokens": n, "ms_median": 1000 * statistics.median(times),
+                     "ms_min": 1000 * min(times), "ms_max": 1000 * max(times), "trials": trials})
+    base = rows[0]["ms_median"] if rows[0]["tree_tokens"] == 1 else None
+    for r in rows:
+        r["relative_to_one_token"] = r["ms_median"] / base if base else None
+        r["ms_per_token"] = r["ms_median"] / r["tree_tokens"]
+    return rows
+
+
+def verify_cost_markdown(result: dict) -> str:
+    from .report import params
+
+    env = result["environment"]
+    lines = ["# Verify cost: one target forward vs tree tokens", "",
+             f"- target: **{env['target']}** ({params(env['target_params'])} parameters), {env['dtype']} on "
+             f"{env['device_name']} ({env['device']}, {env['threads']} threads)",
+             f"- {result['prefix']} tokens already cached; each figure: median [min–max] of "
+             f"{result['rows'][0]['trials']} trials, forward + logits", f"- command: `{result.get('command', '')}`", "",
+             "| tree tokens N | ms | ms [min–max] | × cost of N=1 | ms per token |", "|---|---|---|---|---|"]
+    for r in result["rows"]:
+        rel = "–" if r["relative_to_one_token"] is None else f"{r['relative_to_one_token']:.2f}×"
+        lines.append(f"| {r['tree_tokens']} | {r['ms_median']:.2f} | {r['ms_min']:.2f}–{r['ms_max']:.2f} | {rel} "
+                     f"| {r['ms_per_token']:.3f} |")
+    return "\n".join(lines + ["", "![verify_cost.png](verify_cost.png)", ""])
+
+
+def plot_verify_cost(result: dict, path: Path) -> None:
+    from .report import log2_axis, pyplot, save
+
+    plt = pyplot()
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ns = [r["tree_tokens"] for r in rows]
+    ax.plot(ns, [r["ms_median"] for r in rows], marker="o")
+    ax.fill_between(ns, [r["ms_min"] for r in rows], [r["ms_max"] for r in rows], alpha=0.2)
+    log2_axis(ax, ns)
+    ax.set_xlabel("tree tokens verified in one forward (N)")
+    ax.set_ylabel("ms per target forward")
+    ax.set_title(f"{result['environment']['target']}, {result['prefix']} cached tokens", fontsize=9)
+    save(fig, plt, path)
+
+
+def run_verify_cost(cfg, tokens: list[int], prefix: int, trials: int, random_spec: str | None = None,
+                    target=None) -> dict:
+    """Measure and write verify_cost.json, verify_cost.md and verify_cost.png to cfg.out."""
+    from ..cli import quiet_loading
+    from ..models import load_target
+    from .runner import environment
+    from .store import write_json_atomic
+
+    out = Path(cfg.out)
+    if target is None:
+        with quiet_loading():
+            target = (random_target(random_spec, cfg.device, cfg.resolved_dtype()) if random_spec else
+                      load_target(cfg.target, cfg.device, cfg.resolved_dtype(), cfg.trust_remote_code))
+    rows = measure_verify_cost(target, tokens, prefix, trials, progress=cfg.progress)
+    result = {"environment": environment(target, cfg), "command": cfg.command, "prefix": prefix, "rows": rows}
+    write_json_atomic(out / "verify_cost.json", result)
+    (out / "verify_cost.md").write_text(verify_cost_markdown(result), encoding="utf-8")
+    plot_verify_cost(result, out / "verify_cost.png")
+    return result

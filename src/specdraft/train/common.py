@@ -1,0 +1,298 @@
+"""The training loop shared by specdraft's trainers: Hugging Face accelerate, exact
+resumption, checkpoints, logs.
+
+One command runs on one CPU, one GPU or many GPUs/nodes (``accelerate launch``; DDP):
+each process sees ``batch_size`` examples per micro-batch, gradients are averaged over
+processes, and ``grad_accum`` micro-batches make one optimizer step.
+
+Data order is a pure function of (seed, epoch): ``Plan`` maps a global optimizer step to
+the micro-batches and example indices every process uses, so the *data position* of a
+run is its step count alone. A checkpoint (``accelerator.save_state``) holds the model's
+trainable weights, optimizer, LR scheduler, RNG states and the ``TrainState`` (step,
+tokens seen, the plan's signature); resuming from it replays nothing and skips nothing,
+and on CPU gives bitwise the weights of an uninterrupted run.
+
+A task (e.g. ``train.redrafter.HeadTask``) supplies the model-specific parts:
+``micro_batch(indices)`` (data only), ``counts(micro)`` (per-loss-term token counts, summed
+over the whole step and all processes to normalise the loss exactly, whatever the
+accumulation or process split), ``loss(micro, denom)`` -> (loss, stats), ``sync()`` at
+checkpoints/epoch ends, and ``log_fields(stats)`` for the logs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import SpecdraftError
+
+CHECKPOINTS = "checkpoints"
+COMPLETE = "COMPLETE"  # written into a checkpoint folder once every process has saved
+LOG = "log.jsonl"
+
+
+@dataclass
+class Plan:
+    """Which examples each process trains on at each optimizer step.
+
+    An epoch is a seeded permutation of the examples, wrapped around to a multiple of the
+    global micro-batch (batch_size x num_processes) so every process gets exactly
+    batch_size examples per micro-batch; grad_accum micro-batches per optimizer step (the
+    epoch's last step may have fewer).
+    """
+
+    num_examples: int
+    batch_size: int
+    grad_accum: int
+    num_processes: int
+    epochs: int
+    max_steps: int | None
+    seed: int
+
+    def __post_init__(self):
+        for name in ("num_examples", "batch_size", "grad_accum", "num_processes", "epochs"):
+            if getattr(self, name) < 1:
+                raise SpecdraftError(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise SpecdraftError(f"max steps must be >= 1, got {self.max_steps}")
+        self._orders: dict[int, list[int]] = {}
+
+    @property
+    def global_micro(self) -> int:
+        return self.batch_size * self.num_processes
+
+    @property
+    def micro_per_epoch(self) -> int:
+        return math.ceil(self.num_examples / self.global_micro)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.micro_per_epoch / self.grad_accum)
+
+    @property
+    def total_steps(self) -> int:
+        total = self.epochs * self.steps_per_epoch
+        return min(total, self.max_steps) if self.max_steps else total
+
+    def signature(self) -> dict:
+        """What must not change between a run and its resumption."""
+        return {k: getattr(self, k) for k in ("num_examples", "batch_size", "grad_accum", "num_processes", "seed")}
+
+    def order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            perm = torch.randperm(self.num_examples, generator=g).tolist()
+            padded = self.micro_per_epoch * self.global_micro
+            self._orders = {epoch: (perm * math.ceil(padded / len(perm)))[:padded]}  # keep one epoch cached
+        return self._orders[epoch]
+
+    def micro_batches(self, step: int) -> list[tuple[int, int]]:
+        """(epoch, micro-batch index within the epoch) of the micro-batches of ``step``."""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        first = k * self.grad_accum
+        return [(epoch, m) for m in range(first, min(first + self.grad_accum, self.micro_per_epoch))]
+
+    def indices(self, epoch: int, micro: int, rank: int) -> list[int]:
+        start = micro * self.global_micro + rank * self.batch_size
+        return self.order(epoch)[start: start + self.batch_size]
+
+    def epoch_of(self, step: int) -> int:
+        return step // self.steps_per_epoch
+
+
+class TrainState:
+    """The loop's own counters, saved in every checkpoint (register_for_checkpointing)."""
+
+    def __init__(self, plan_signature: dict):
+        self.step = 0
+        self.tokens = 0
+        self.plan_signature = plan_signature
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens": self.tokens, "plan_signature": self.plan_signature}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["plan_signature"] != self.plan_signature:
+            diff = {k: (state["plan_signature"].get(k), v) for k, v in self.plan_signature.items()
+                    if state["plan_signature"].get(k) != v}
+            raise SpecdraftError("cannot resume: the checkpoint was made with different data or batch settings "
+                                 + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items()))
+        self.step, self.tokens = int(state["step"]), int(state["tokens"])
+
+
+@dataclass
+class LoopOptions:
+    out: Path
+    save_every: int = 500
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    stop_after_steps: int | None = None  # stop as if interrupted (a checkpoint is saved first)
+    max_grad_norm: float | None = 1.0
+    progress: bool = True
+
+
+# ---- learning rate ----------------------------------------------------------------------
+
+
+def cosine_schedule(optimizer, total_steps: int, warmup_ratio: float = 0.1):
+    """Linear warmup over ceil(warmup_ratio x total) steps to the base LR, then cosine
+    decay to 0 at ``total_steps``."""
+    warmup = math.ceil(warmup_ratio * total_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# ---- checkpoints ------------------------------------------------------------------------
+
+
+def checkpoint_dir(out: Path, step: int) -> Path:
+    return Path(out) / CHECKPOINTS / f"step-{step:08d}"
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The completed checkpoint with the highest step (an interrupted save is ignored)."""
+    root = Path(out) / CHECKPOINTS
+    done = [p for p in root.glob("step-*") if (p / COMPLETE).is_file()] if root.is_dir() else []
+    return max(done, key=lambda p: int(p.name.split("-")[1])) if done else None
+
+
+def save_checkpoint(accelerator, task, out: Path, step: int, keep: int) -> Path:
+    """Every process saves its part; the main process marks it complete and removes all
+    but the ``keep`` newest completed checkpoints."""
+    task.sync(accelerator)
+    folder = checkpoint_dir(out, step)
+    accelerator.save_state(str(folder))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (folder / COMPLETE).write_text(f"{step}\n")
+        done = sorted((p for p in folder.parent.glob("step-*") if (p / COMPLETE).is_file()),
+                      key=lambda p: int(p.name.split("-")[1]))
+        for old in done[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return folder
+
+
+# ---- logs -------------------------------------------------------------------------------
+
+
+class JsonLog:
+    """out/log.jsonl, one object per log interval, main process only. On resume, entries
+    after the resumed step (logged by the interrupted run past its last checkpoint) are
+    dropped, so each step is logged once."""
+
+    def __init__(self, out: Path, resume_step: int, enabled: bool):
+        self.path = Path(out) / LOG
+        self.enabled = enabled
+        if not enabled:
+            return
+        kept = []
+        if resume_step and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by the crash
+                if entry.get("step", 0) <= resume_step:
+                    kept.append(line + "\n")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("".join(kept))
+
+    def write(self, entry: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+
+
+# ---- the loop ---------------------------------------------------------------------------
+
+
+def make_accelerator(cpu: bool, mixed_precision: str = "no"):
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=cpu, mixed_precision=mixed_precision)
+
+
+def train_loop(accelerator, task, model, optimizer, scheduler, plan: Plan, state: TrainState,
+               opts: LoopOptions) -> bool:
+    """Run optimizer steps from ``state.step`` to ``plan.total_steps``. Returns True when
+    training finished, False when it stopped early (``stop_after_steps`` or Ctrl-C on a
+    single process; a checkpoint is saved either way)."""
+    from tqdm.auto import tqdm
+
+    main = accelerator.is_main_process
+    log = JsonLog(opts.out, state.step, main)
+    bar = tqdm(total=plan.total_steps, initial=state.step, unit="step", desc="train",
+               disable=not (opts.progress and main), dynamic_ncols=True, file=sys.stderr)
+    window, window_start = None, time.perf_counter()
+    stop_at = plan.total_steps if opts.stop_after_steps is None else min(plan.total_steps, opts.stop_after_steps)
+    params = [p for p in model.parameters() if p.requires_grad]
+    updating = False  # True between optimizer.step() and the step count catching up
+    try:
+        while state.step < stop_at:
+            epoch = plan.epoch_of(state.step)
+            micros = [task.micro_batch(plan.indices(e, m, accelerator.process_index))
+                      for e, m in plan.micro_batches(state.step)]
+            # Normalisers over the whole step and all processes: every micro-batch's loss
+            # is its sum of per-token terms divided by these (times the process count,
+            # because DDP averages gradients over processes).
+            denom = accelerator.reduce(sum(task.counts(mb) for mb in micros).to(accelerator.device), "sum")
+            denom = denom.clamp(min=1).float() / accelerator.num_processes
+            stats = None
+            for j, mb in enumerate(micros):
+                last = j == len(micros) - 1
+                with nullcontext() if last else accelerator.no_sync(model):
+                    loss, mb_stats = task.loss(model, mb, denom)
+                    accelerator.backward(loss)
+                stats = mb_stats if stats is None else stats + mb_stats
+            if opts.max_grad_norm:
+                accelerator.clip_grad_norm_(params, opts.max_grad_norm)
+            updating = True
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            updating = False
+            state.tokens += sum(task.num_tokens(mb) for mb in micros) * accelerator.num_processes
+            window = stats if window is None else window + stats
+            bar.update(1)
+            if state.step % opts.log_every == 0 or state.step == stop_at:
+                fields = task.log_fields(accelerator.reduce(window, "sum"))
+                seconds = time.perf_counter() - window_start
+                entry = {"step": state.step, "epoch": epoch, "lr": scheduler.get_last_lr()[0],
+                         "tokens": state.tokens, **fields, "seconds": round(seconds, 3)}
+                log.write(entry)
+                bar.set_postfix({k: fields[k] for k in task.bar_fields if k in fields}, refresh=False)
+                window, window_start = None, time.perf_counter()
+            if plan.epoch_of(state.step) != epoch:
+                task.sync(accelerator)
+            if state.step % opts.save_every == 0 or state.step == stop_at:
+                save_checkpoint(accelerator, task, opts.out, state.step, opts.keep_checkpoints)
+    except KeyboardInterrupt:
+        if accelerator.num_processes == 1 and state.step > 0 and not updating:
+            # Between steps the state is consistent: keep the work done so far.
+            save_checkpoint(accelerator, task, opts.out, state.step, opts.keep_checkpoints)
+            print(f"\nspecdraft: interrupted; saved {checkpoint_dir(opts.out, state.step)} "
+                  f"(rerun with --resume to continue)", file=sys.stderr)
+        raise
+    finally:
+        bar.close()
+    return state.step >= plan.total_steps
+
+
+def describe(plan: Plan) -> dict:
+    return {**asdict(plan), "steps_per_epoch": plan.steps_per_epoch, "total_steps": plan.total_steps}

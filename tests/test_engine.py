@@ -1,0 +1,157 @@
+"""The engine's bookkeeping on a tiny random target: stop conditions, streaming, stats,
+ragged batches, continuous batching (admit / cancel), context limits, bad parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafters_for_tests import RandomBeamsDrafter
+from specdraft import SamplingParams, SpeculativeEngine
+from specdraft.drafters import LookupDrafter, NoDrafter
+from specdraft.errors import SpecdraftError
+
+PROMPTS = [[3, 4, 5, 3, 4], [5, 6, 7, 8, 9, 10, 11], [2, 3], [7, 7, 7, 8]]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # The tiny model is too small to gain from threads; one thread avoids oversubscription.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def reference(target, prompts, params):
+    return [r.token_ids for r in SpeculativeEngine(target, NoDrafter()).generate(prompts, params)]
+
+
+def test_autoregressive_engine_matches_transformers(tiny_target):
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    ours = reference(tiny_target, PROMPTS, params)
+    for prompt, got in zip(PROMPTS, ours):
+        ids = torch.tensor([prompt])
+        hf = tiny_target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                        max_new_tokens=20, eos_token_id=None, pad_token_id=0)
+        assert got == hf[0, len(prompt):].tolist()
+
+
+def test_stats_add_up(tiny_target):
+    engine = SpeculativeEngine(tiny_target, RandomBeamsDrafter(16, beam_width=3, beam_length=4, seed=3))
+    res = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=25, ignore_eos=True))[0]
+    assert res.new_tokens == 25 == len(res.token_ids)
+    assert sum(res.accepted_hist.values()) == res.steps  # one histogram entry per target forward
+    assert sum(n * c for n, c in res.accepted_hist.items()) >= res.new_tokens  # the last step may be cut
+    assert res.tokens_per_step == pytest.approx(res.new_tokens / res.steps)
+    assert set(res.stage_seconds) == {"prefill", "draft", "verify", "accept", "update"}
+    assert res.seconds >= sum(res.stage_seconds.values()) * 0.99
+
+
+def test_eos_stops_and_is_kept(tiny_target):
+    free = reference(tiny_target, [PROMPTS[1]], SamplingParams(max_new_tokens=60, ignore_eos=True))[0]
+    eos = next(iter(tiny_target.eos_ids))
+    assert eos in free, "the fixture model (seed 0) is expected to emit EOS within 60 tokens"
+    res = SpeculativeEngine(tiny_target, LookupDrafter(2, 5)).generate([PROMPTS[1]], SamplingParams(max_new_tokens=60))[0]
+    assert res.token_ids == free[: free.index(eos) + 1]
+    assert res.finish_reason == "stop"
+
+
+def test_stop_string_cuts_text_and_tokens(tiny_target):
+    full = SpeculativeEngine(tiny_target, NoDrafter()).generate([PROMPTS[0]], SamplingParams(max_new_tokens=20, ignore_eos=True))[0]
+    words = full.text.split()
+    stop = " ".join(words[3:5])
+    res = SpeculativeEngine(tiny_target, LookupDrafter(2, 6)).generate(
+        [PROMPTS[0]], SamplingParams(max_new_tokens=20, ignore_eos=True, stop=[stop]))[0]
+    assert res.finish_reason == "stop"
+    assert stop not in res.text and full.text.startswith(res.text)
+    assert res.token_ids == full.token_ids[: len(res.token_ids)]
+    assert stop in tiny_target.tokenizer.decode(res.token_ids)
+
+
+def test_streaming_deltas_join_to_the_text(tiny_target):
+    engine = SpeculativeEngine(tiny_target, LookupDrafter(2, 4))
+    items = list(engine.stream(PROMPTS[2], SamplingParams(max_new_tokens=15, ignore_eos=True)))
+    result = items[-1]
+    deltas = items[:-1]
+    assert len(deltas) > 1 and all(isinstance(d, str) for d in deltas)
+    assert "".join(deltas) == result.text
+
+
+def test_ragged_batch_with_per_row_limits(tiny_target):
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (5, 17, 9, 30)]
+    want = [reference(tiny_target, [p], q)[0] for p, q in zip(PROMPTS, params)]
+    engine = SpeculativeEngine(tiny_target, RandomBeamsDrafter(16, beam_width=4, beam_length=5, seed=5))
+    got = [r.token_ids for r in engine.generate(PROMPTS, params)]
+    assert got == want
+
+
+def test_continuous_batching_admit_and_cancel(tiny_target):
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    want = reference(tiny_target, PROMPTS, params)
+    engine = SpeculativeEngine(tiny_target, LookupDrafter(2, 4))
+    out = {i: [] for i in range(len(PROMPTS))}
+
+    def collect(events):
+        for e in events:
+            out[e.index] += e.new_ids
+
+    batch, events = engine.start(PROMPTS[:2], params, ids=[0, 1])
+    collect(events)
+    for _ in range(3):
+        collect(engine.step(batch))
+    collect(engine.admit(batch, PROMPTS[2:], params, ids=[2, 3]))  # join mid-flight
+    collect(engine.step(batch))
+    engine.cancel(batch, {1})
+    assert 1 not in batch.ids
+    while batch.rows:
+        collect(engine.step(batch))
+    assert out[0] == want[0] and out[2] == want[2] and out[3] == want[3]
+    assert out[1] == want[1][: len(out[1])]  # cancelled: a prefix, then nothing
+
+
+def test_admit_into_an_empty_batch(tiny_target):
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    engine = SpeculativeEngine(tiny_target, LookupDrafter(1, 4))
+    batch, _ = engine.start([PROMPTS[0]], SamplingParams(max_new_tokens=1, ignore_eos=True))
+    assert not batch.rows  # finished at prefill
+    out = []
+    for e in engine.admit(batch, [PROMPTS[1]], params, ids=[7]):
+        out += e.new_ids
+    while batch.rows:
+        for e in engine.step(batch):
+            assert e.index == 7
+            out += e.new_ids
+    assert out == reference(tiny_target, [PROMPTS[1]], params)[0]
+
+
+def test_context_limit_ends_generation(tiny_target):
+    ctx = tiny_target.max_context
+    prompt = [3, 4, 5, 6] * ((ctx - 6) // 4)
+    res = SpeculativeEngine(tiny_target, LookupDrafter(2, 8)).generate(
+        [prompt], SamplingParams(max_new_tokens=50, ignore_eos=True))[0]
+    assert len(prompt) + res.new_tokens == ctx
+    assert res.finish_reason == "length"
+
+
+@pytest.mark.parametrize("bad", [
+    dict(max_new_tokens=0), dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
+    dict(temperature=float("nan")),
+])
+def test_bad_parameters_are_user_errors(tiny_target, bad):
+    with pytest.raises(SpecdraftError):
+        SpeculativeEngine(tiny_target, NoDrafter()).generate([PROMPTS[0]], SamplingParams(**bad))
+
+
+def test_prompt_longer_than_context_is_a_user_error(tiny_target):
+    with pytest.raises(SpecdraftError, match="context"):
+        SpeculativeEngine(tiny_target, NoDrafter()).generate([[3] * tiny_target.max_context], SamplingParams())
+
+
+def test_seed_makes_sampling_reproducible(tiny_target):
+    engine = SpeculativeEngine(tiny_target, LookupDrafter(2, 4))
+    params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=11, ignore_eos=True)
+    a = engine.generate([PROMPTS[0]], params)[0].token_ids
+    b = engine.generate([PROMPTS[0]], params)[0].token_ids
+    c = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=20, temperature=1.0, seed=12, ignore_eos=True))[0].token_ids
+    assert a == b and a != c
