@@ -42,6 +42,7 @@ ROLES = {"human": "user", "user": "user",
          "assistant": "assistant", "system": "system"}
 
 _SEPARATORS = re.compile(r"[\s,]*")
+_WHITESPACE = re.compile(r"\s*")
 _PART_SUFFIX = re.compile(r"_\d+$")
 
 
@@ -134,9 +135,14 @@ def iter_json_array(stream: TextIO, stats: StreamStats | None = None, chunk_char
                 continue
             stats.truncated_chars = len(buf) - pos
             return
-        # A scalar at the very end of the buffer may continue in the next chunk ("12" of "123").
-        if end == len(buf) and not isinstance(element, (dict, list, str)) and more(0):
-            continue
+        after = _WHITESPACE.match(buf, end).end()
+        if after >= len(buf) or buf[after] not in ",]":
+            # A number may go on in the next chunk ("7." of "7.25"): decode again with more text.
+            if more(len(buf) - pos):
+                continue
+            if after < len(buf) or not isinstance(element, (dict, list, str)):
+                stats.truncated_chars = len(buf) - pos
+                return
         stats.records += 1
         yield element
         pos = end

@@ -271,8 +271,8 @@ def train_loop(accelerator, task, model, optimizer, scheduler, plan: Plan, state
             window = stats if window is None else window + stats
             bar.update(1)
             if state.step % opts.log_every == 0 or state.step == stop_at:
-                fields = task.log_fields(accelerator.reduce(window, "sum"))
                 seconds = time.perf_counter() - window_start
+                fields = task.log_fields(accelerator.reduce(window, "sum"), seconds, accelerator.num_processes)
                 entry = {"step": state.step, "epoch": epoch, "lr": scheduler.get_last_lr()[0],
                          "tokens": state.tokens, **fields, "seconds": round(seconds, 3)}
                 log.write(entry)

@@ -1,0 +1,212 @@
+"""The ``specdraft train ...`` and ``specdraft distill`` subcommands.
+
+Each ``add_*`` function takes the top-level subparsers, like the entries of
+``cli.SUBCOMMANDS``. ``train`` is a group: its drafters are the entries of
+``TRAIN_SUBCOMMANDS`` (``redrafter`` here; other trainers add theirs the same way).
+Heavy imports (torch models, accelerate) happen only when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from .errors import SpecdraftError
+
+
+def _shared():
+    # Imported on use: cli.py imports this module to build its parser.
+    from . import cli
+
+    return cli
+
+
+# ---- train redrafter --------------------------------------------------------------------
+
+
+def add_train_redrafter(subparsers) -> None:
+    p = subparsers.add_parser(
+        "redrafter", help="train a ReDrafter head (or Medusa heads) on a frozen target",
+        description="Train a recurrent drafter head (--arch redrafter) or Medusa heads (--arch medusa) on the "
+                    "target's last hidden states. Runs on one CPU or GPU as is; on many GPUs or nodes through "
+                    "`accelerate launch -m specdraft train redrafter ...`. See docs/training.md.")
+    cli = _shared()
+    cli.add_target_args(p)
+    p.set_defaults(device="auto")  # the accelerator decides (cuda:<rank> under a launcher); cpu forces CPU
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default="sharegpt", metavar="sharegpt|FILE.json|FILE.jsonl",
+                   help="ShareGPT conversations (the packaged set or a file in its format; train split, loss on "
+                        "assistant tokens) or a `specdraft distill` JSONL file (default: %(default)s)")
+    g.add_argument("--limit", type=int, metavar="N", help="use the first N conversations / records")
+    g.add_argument("--seq-len", type=int, default=2048, metavar="T", help="truncate sequences to T tokens "
+                   "(default: %(default)s)")
+    g.add_argument("--heldout-fraction", type=float, default=None, metavar="F",
+                   help="ShareGPT groups held out from training (default: 0.02)")
+    g.add_argument("--hidden-cache", metavar="DIR", help="keep the target's hidden states in DIR (safetensors "
+                   "shards) so later epochs and reruns do not run the target again")
+    g = p.add_argument_group("head")
+    g.add_argument("--arch", choices=("redrafter", "medusa"), default="redrafter", help="(default: %(default)s)")
+    g.add_argument("--head", choices=("own", "shared"), default="own",
+                   help="own output layer, or the target's frozen LM head (default: %(default)s)")
+    g.add_argument("--num-blocks", type=int, metavar="N", help="residual blocks (default: 2 redrafter, 1 medusa)")
+    g.add_argument("--future-tokens", "-K", type=int, default=5, metavar="K",
+                   help="tokens predicted per position (Medusa: number of heads) (default: %(default)s)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=int, default=2, help="(default: %(default)s)")
+    g.add_argument("--max-steps", type=int, metavar="N", help="stop after N optimizer steps (the LR schedule "
+                   "spans min(N, epochs))")
+    g.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per process per micro-batch "
+                   "(default: %(default)s)")
+    g.add_argument("--grad-accum", type=int, default=1, metavar="G", help="micro-batches per optimizer step "
+                   "(default: %(default)s)")
+    g.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (default: %(default)s)")
+    g.add_argument("--warmup", type=float, default=0.1, help="warmup fraction of the cosine schedule "
+                   "(default: %(default)s)")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="(default: %(default)s)")
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping (default: %(default)s)")
+    g.add_argument("--kl-weight", type=float, default=0.0, metavar="W",
+                   help="add W x KL(target || head) at each labelled position (default: %(default)s)")
+    g.add_argument("--mixed-precision", choices=("no", "fp16", "bf16"), default="no",
+                   help="autocast for the head (the target's dtype is --dtype) (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="head init and data order (default: %(default)s)")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", required=True, metavar="DIR", help="checkpoints/, log.jsonl and final/ go here")
+    g.add_argument("--save-every", type=int, default=500, metavar="N", help="checkpoint every N steps "
+                   "(default: %(default)s)")
+    g.add_argument("--keep-checkpoints", type=int, default=2, metavar="N", help="(default: %(default)s)")
+    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    g.add_argument("--stop-after-steps", type=int, metavar="N",
+                   help="save a checkpoint and stop after step N, as if interrupted (for time-limited jobs)")
+    g.add_argument("--log-every", type=int, default=10, metavar="N", help="(default: %(default)s)")
+    g.add_argument("--topk", type=int, default=5, metavar="k", help="log top-k accuracy (default: %(default)s)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run_train_redrafter)
+
+
+def run_train_redrafter(args: argparse.Namespace) -> int:
+    from .train.redrafter import run
+
+    return run(args)
+
+
+# name -> function adding ``specdraft train NAME``'s parser to the train subparsers.
+TRAIN_SUBCOMMANDS: dict[str, Callable] = {
+    "redrafter": add_train_redrafter,
+}
+
+
+def add_train(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train a drafter", description="Train a drafter for a target.")
+    sub = p.add_subparsers(dest="drafter_kind", required=True, metavar="DRAFTER")
+    for add in TRAIN_SUBCOMMANDS.values():
+        add(sub)
+
+
+# ---- distill ----------------------------------------------------------------------------
+
+
+def add_distill(subparsers) -> None:
+    p = subparsers.add_parser(
+        "distill", help="write the target's own outputs as training data (JSONL, resumable)",
+        description="responses: the target's answers to ShareGPT first-turn prompts (or a prompts file), one "
+                    "sample per prompt per temperature. next-k: the target's greedy next-K tokens at every "
+                    "assistant position of ShareGPT conversations. Rerunning the same command resumes.")
+    cli = _shared()
+    p.add_argument("--out", required=True, metavar="FILE.jsonl", help="records are appended here")
+    p.add_argument("--mode", choices=("responses", "next-k"), default="responses", help="(default: %(default)s)")
+    p.add_argument("--data", default="sharegpt", metavar="sharegpt|FILE.json|PROMPTS.jsonl",
+                   help="ShareGPT (packaged or a file in its format), or for responses a JSONL of "
+                        '{"prompt", "id"} lines (default: %(default)s)')
+    p.add_argument("--split", choices=("train", "heldout"), default="train",
+                   help="ShareGPT split (default: %(default)s)")
+    p.add_argument("--limit", type=int, metavar="N", help="the first N prompts / conversations")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("responses")
+    g.add_argument("--temperatures", default="0", metavar="T1,T2,...",
+                   help="one sample per prompt per temperature; 0 is greedy (default: %(default)s)")
+    g.add_argument("--max-new-tokens", type=int, default=512, metavar="N", help="(default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="(default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="(default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="sample i (prompt-major, then temperature) uses seed S+i (default: %(default)s)")
+    g.add_argument("--batch-size", type=int, default=8, metavar="B", help="(default: %(default)s)")
+    g.add_argument("--max-prompt-tokens", type=int, default=1024, metavar="N",
+                   help="skip longer prompts (default: %(default)s)")
+    g = p.add_argument_group("next-k")
+    g.add_argument("--future-tokens", "-K", type=int, default=5, metavar="K", help="(default: %(default)s)")
+    g.add_argument("--seq-len", type=int, default=2048, metavar="T", help="(default: %(default)s)")
+    g.add_argument("--chunk", type=int, default=512, metavar="C",
+                   help="positions rolled out together (memory ~ C x (T + K·C)) (default: %(default)s)")
+    cli.add_target_args(p)
+    cli.add_drafter_args(p)
+    p.set_defaults(drafter="none", run=run_distill)
+
+
+def run_distill(args: argparse.Namespace) -> int:
+    from . import distill
+
+    if args.limit is not None and args.limit < 1:
+        raise SpecdraftError(f"--limit must be >= 1, got {args.limit}")
+    if args.max_prompt_tokens < 1:
+        raise SpecdraftError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
+    temps = distill.parse_temperatures(args.temperatures)
+    check_distill_args(args, temps)
+    cli = _shared()
+    if args.mode == "next-k":
+        from .data.sharegpt import load_conversations
+        from .models import load_target
+
+        convs, stats = load_conversations(_sharegpt_path(args.data), args.split, args.limit)
+        with cli.quiet_loading():
+            target = load_target(args.target, args.device, args.dtype, args.trust_remote_code)
+        report = distill.distill_next_k(target, convs, args.out, K=args.future_tokens, seq_len=args.seq_len,
+                                        chunk=args.chunk, progress=not args.no_progress)
+    else:
+        engine = cli.load_engine(args)
+        report = distill.DistillReport()
+        prompts = distill.make_prompts(engine.target.tokenizer, _prompt_items(args), args.max_prompt_tokens, report)
+        done = distill.distill_responses(engine, prompts, temps, args.out, max_new_tokens=args.max_new_tokens,
+                                         batch_size=args.batch_size, seed=args.seed, top_p=args.top_p,
+                                         top_k=args.top_k, progress=not args.no_progress)
+        done.skipped.update(report.skipped)
+        report = done
+    print(f"specdraft: {args.out}: {report.summary()}", file=sys.stderr)
+    return 0
+
+
+def check_distill_args(args, temps: list[float]) -> None:
+    """Fail on bad numbers before the (slow) model load."""
+    from .drafters.registry import check_shapes
+    from .models import parse_device
+    from .sampling import SamplingParams
+
+    for t in temps:
+        SamplingParams(max_new_tokens=args.max_new_tokens, temperature=t, top_p=args.top_p,
+                       top_k=args.top_k).validate()
+    for name in ("batch_size", "future_tokens", "chunk"):
+        if getattr(args, name) < 1:
+            raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_shapes(args.beam_width, args.beam_length, args.gamma)
+    parse_device(args.device)
+
+
+def _sharegpt_path(spec: str):
+    if spec == "sharegpt":
+        return None
+    if spec.endswith(".json"):
+        return spec
+    raise SpecdraftError(f"--data must be 'sharegpt' or a ShareGPT-format FILE.json here, got {spec!r}")
+
+
+def _prompt_items(args) -> list[tuple[str, list[dict]]]:
+    """(id, messages) of the prompts to answer."""
+    if args.data.endswith(".jsonl"):
+        from .prompts import read_prompts_file
+
+        items = read_prompts_file(args.data)[: args.limit]
+        return [(str(it["id"]), [{"role": "user", "content": it["prompt"]}]) for it in items]
+    from .data.sharegpt import first_turn, load_conversations
+
+    convs, _ = load_conversations(_sharegpt_path(args.data), args.split, args.limit)
+    return [(c.id, first_turn(c)) for c in convs]

@@ -1,0 +1,349 @@
+"""HTTP routes of ``specdraft serve`` (FastAPI): the OpenAI-compatible API around a Scheduler.
+
+A generation request goes: API key -> JSON body -> ``protocol.parse_request`` ->
+tokenization -> ``SamplingParams`` -> ``Scheduler.submit`` -> the scheduler thread's
+events, received through an asyncio queue fed with ``loop.call_soon_threadsafe``.
+
+Invariants:
+
+* every error response, ours or the framework's (404, 405, 500), has OpenAI's error shape;
+* a request that cannot run gets its error status *before* any byte of a response body:
+  a stream starts only once its first tokens exist, so queue timeouts, a full queue and a
+  draining server are real 4xx/5xx responses, not errors inside a 200 stream;
+* a job whose client went away (stream closed, connection dropped while waiting) is
+  cancelled, so its row leaves the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine import SpeculativeEngine, StepEvent
+from .metrics import ServerMetrics
+from .protocol import (CHAT, COMPLETIONS, DONE, APIError, ChunkWriter, GenerationRequest, bad_request,
+                       completion_body, new_response_id, parse_json_body, parse_request)
+from .scheduler import JobError, NotAccepting, QueueFull, Scheduler
+from .streaming import TextStream
+
+log = logging.getLogger("specdraft.server")
+
+ROUTES = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS, "/v1/models": "models"}
+DISCONNECT_POLL_S = 0.5  # how often a waiting non-streamed request checks that its client is still there
+
+
+@dataclass
+class ServeOptions:
+    """Server settings (``specdraft serve`` flags)."""
+
+    model_name: str
+    api_key: str | None = None
+    max_batch_size: int = 8
+    max_queue: int = 64
+    request_timeout: float | None = 600.0
+    default_max_tokens: int = 256
+    max_body_bytes: int = 4 << 20
+
+
+class Service:
+    """What the routes share: engine, options, scheduler, metrics, and the draining flag.
+
+    ``draining`` is a plain attribute so that a signal handler may set it without locks.
+    """
+
+    def __init__(self, engine: SpeculativeEngine, options: ServeOptions):
+        self.engine = engine
+        self.options = options
+        self.metrics = ServerMetrics()
+        self.scheduler = Scheduler(engine, options.max_batch_size, options.max_queue, self.metrics)
+        self.draining = False
+        self.started = int(time.time())
+
+    @property
+    def target(self):
+        return self.engine.target
+
+
+def create_app(engine: SpeculativeEngine, options: ServeOptions) -> FastAPI:
+    """The ASGI app; its lifespan starts and stops the scheduler thread."""
+    service = Service(engine, options)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.scheduler.start()
+        yield
+        # Joining waits for the step in progress; do it off the event loop so that the
+        # scheduler's last deliveries still reach their requests.
+        await asyncio.to_thread(service.scheduler.stop)
+
+    app = FastAPI(title="specdraft", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+    app.add_middleware(CountResponses, metrics=service.metrics)
+    _add_error_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(service, request, CHAT)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(service, request, COMPLETIONS)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_api_key(service, request)
+        return {"object": "list", "data": [{
+            "id": options.model_name, "object": "model", "created": service.started, "owned_by": "specdraft",
+            "max_model_len": service.target.max_context}]}
+
+    @app.get("/health")
+    async def health():
+        body = {"status": "draining" if service.draining else "ok", "model": options.model_name,
+                "waiting": service.scheduler.waiting, "running": service.scheduler.running}
+        return JSONResponse(body, status_code=503 if service.draining else 200)
+
+    @app.get("/metrics")
+    async def metrics():
+        data, content_type = service.metrics.render()
+        return Response(data, media_type=content_type)
+
+    return app
+
+
+# ---- errors -------------------------------------------------------------------------------
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError):
+        return error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException):
+        kind = "not_found" if err.status_code == 404 else None
+        return error_response(APIError(err.status_code, str(err.detail), code=kind))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, err: Exception):
+        log.exception("unexpected error")
+        return error_response(APIError(500, f"internal server error: {type(err).__name__}", type="server_error"))
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def job_error(err: JobError) -> APIError:
+    """How a job that ended without a result is reported."""
+    if err.kind == JobError.TIMEOUT:
+        return APIError(408, f"{err} (the server's --request-timeout)", type="timeout_error",
+                        code="request_timeout")
+    if err.kind == JobError.SHUTDOWN:
+        return APIError(503, str(err), type="server_error", code="server_shutting_down")
+    return APIError(500, str(err), type="server_error", code="engine_error")
+
+
+def check_api_key(service: Service, request: Request) -> None:
+    """401 unless the ``Authorization: Bearer KEY`` header holds the server's key (if it has one)."""
+    key = service.options.api_key
+    if not key:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+        raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                       code="invalid_api_key")
+
+
+class CountResponses:
+    """ASGI middleware: count /v1 responses by endpoint and status, when the status is sent
+    (so a client that has its response always finds it counted)."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        endpoint = ROUTES.get(scope["path"], "other")
+        started = False
+
+        async def counting_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start" and not started:
+                started = True
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except BaseException:
+            if not started:  # the 500 is sent by an outer middleware
+                self.metrics.requests.labels(endpoint, "500").inc()
+            raise
+
+
+# ---- generation ---------------------------------------------------------------------------
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request waited."""
+
+
+async def generate(service: Service, request: Request, endpoint: str) -> Response:
+    """Validate, queue, and answer one chat or completions request."""
+    received = time.perf_counter()
+    check_api_key(service, request)
+    if service.draining:
+        raise APIError(503, "the server is shutting down", type="server_error", code="server_shutting_down")
+    req = parse_request(await read_body(service, request), endpoint, service.options.model_name)
+    prompt = encode_prompt(service.target, req)
+    params = req.sampling_params(len(prompt), service.target.max_context, service.options.default_max_tokens)
+    job_id, inbox = submit(service, prompt, params)
+    try:
+        first = await next_item(inbox, request)
+    except (ClientGone, asyncio.CancelledError):
+        service.scheduler.cancel(job_id)
+        raise
+    if isinstance(first, JobError):
+        raise job_error(first)
+    service.metrics.ttft.observe(time.perf_counter() - received)
+    rid = new_response_id(endpoint)
+    if req.stream:
+        body = stream_body(service, req, rid, inbox, first, received)
+        return CancellingStream(body, on_close=lambda: service.scheduler.cancel(job_id),
+                                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try:
+        result = await collect_result(inbox, request, first)
+    except (ClientGone, asyncio.CancelledError):
+        service.scheduler.cancel(job_id)
+        raise
+    service.metrics.latency.labels(endpoint).observe(time.perf_counter() - received)
+    return JSONResponse(completion_body(endpoint, rid, req.model, result.text, result.finish_reason,
+                                        result.prompt_tokens, result.new_tokens))
+
+
+async def read_body(service: Service, request: Request) -> dict:
+    raw = await request.body()
+    if len(raw) > service.options.max_body_bytes:
+        raise APIError(413, f"the request body exceeds {service.options.max_body_bytes} bytes",
+                       code="request_too_large")
+    return parse_json_body(raw)
+
+
+def encode_prompt(target, req: GenerationRequest) -> list[int]:
+    """The prompt's token ids: chat messages through the chat template, text as is, ids checked."""
+    if req.endpoint == CHAT:
+        ids = encode_chat(target, req.messages)
+    elif isinstance(req.prompt, list):
+        bad = [t for t in req.prompt if t >= target.vocab_size]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary (size {target.vocab_size})", "prompt")
+        ids = req.prompt
+    else:
+        ids = target.encode_prompt(req.prompt, chat=False)
+    if not ids:
+        raise bad_request("the prompt encodes to no tokens", "messages" if req.endpoint == CHAT else "prompt")
+    return list(ids)
+
+
+def encode_chat(target, messages: list[dict]) -> list[int]:
+    tok = target.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise bad_request(f"the model has no chat template; use /v1/completions", "messages", "no_chat_template")
+    try:
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # templates reject what they cannot render (e.g. roles out of order)
+        raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
+    if hasattr(ids, "keys"):  # some transformers versions return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def submit(service: Service, prompt: list[int], params) -> tuple[int, asyncio.Queue]:
+    """Queue the job; its deliveries arrive in the returned asyncio queue, in order."""
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    def deliver(item) -> None:  # runs on the scheduler thread
+        loop.call_soon_threadsafe(inbox.put_nowait, item)
+
+    try:
+        job = service.scheduler.submit(prompt, params, deliver, service.options.request_timeout)
+    except QueueFull as e:
+        raise APIError(429, f"{e}; retry later", type="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": "1"}) from None
+    except NotAccepting as e:
+        raise APIError(503, str(e), type="server_error", code="server_shutting_down") from None
+    service.metrics.prompt_tokens.inc(len(prompt))
+    return job.id, inbox
+
+
+async def next_item(inbox: asyncio.Queue, request: Request) -> StepEvent | JobError:
+    """The job's next delivery; raises ClientGone if the client disconnects meanwhile."""
+    while True:
+        try:
+            return await asyncio.wait_for(inbox.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                raise ClientGone() from None
+
+
+async def collect_result(inbox: asyncio.Queue, request: Request, item):
+    """Wait for the job's result (non-streamed responses need only that)."""
+    while True:
+        if isinstance(item, JobError):
+            raise job_error(item)
+        if item.result is not None:
+            return item.result
+        item = await next_item(inbox, request)
+
+
+async def stream_body(service: Service, req: GenerationRequest, rid: str, inbox: asyncio.Queue,
+                      item, received: float):
+    """SSE chunks: (chat: a role chunk), text deltas, a finish chunk, (usage), [DONE].
+
+    A job error after the stream began is sent as an ``{"error": ...}`` event, then [DONE].
+    """
+    writer = ChunkWriter(req.endpoint, rid, req.model, req.include_usage)
+    text = TextStream(service.target.tokenizer, req.stop)
+    if req.endpoint == CHAT:
+        yield writer.role()
+    while True:
+        if isinstance(item, JobError):
+            yield writer.error(job_error(item))
+            break
+        delta = text.push(item.new_ids, item.result)
+        if delta:
+            yield writer.text(delta)
+        result = item.result
+        if result is not None:
+            service.metrics.latency.labels(req.endpoint).observe(time.perf_counter() - received)
+            yield writer.text("", result.finish_reason)
+            if req.include_usage:
+                yield writer.usage(result.prompt_tokens, result.new_tokens)
+            break
+        item = await inbox.get()
+    yield DONE
+
+
+class CancellingStream(StreamingResponse):
+    """A StreamingResponse that calls ``on_close`` however it ends (done, client gone,
+    server stopping), so that an unfinished job never keeps its batch row."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()  # a no-op for a job that already finished

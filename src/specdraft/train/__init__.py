@@ -1,0 +1,9 @@
+"""Training drafters on a frozen target, through Hugging Face accelerate.
+
+- ``common``: the loop (data plan, exact resumption, checkpoints, JSONL log, progress bar)
+- ``examples``: training examples (ShareGPT / distill files) and position-level batches
+- ``hidden_cache``: on-disk cache of the target's hidden states (safetensors shards)
+- ``redrafter``: ``specdraft train redrafter`` (ReDrafter and Medusa heads)
+
+See docs/training.md.
+"""

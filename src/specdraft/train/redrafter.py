@@ -1,0 +1,317 @@
+"""``specdraft train redrafter``: train a ReDrafter head (or Medusa heads) on a frozen target.
+
+Objective, per trained position t (h_t = the target's last hidden state at token t) and
+depth i = 0..K-1 (K = --future-tokens, default 5), with y_{t,i} the label (see
+``train.examples``: x_{t+2+i} under teacher forcing, g_{i+1} for next-k distillation)
+and q_{t,i} the head's distribution:
+
+    loss = Σ_i [ Σ_{t in S_i} CE(q_{t,i}, y_{t,i})  +  λ · Σ_{t in S_i} KL(p_{t+1+i} || q_{t,i}) ] / |S_i|
+
+S_i = the positions whose depth-i label is an assistant token (-100 elsewhere), counted
+over the whole optimizer step and all processes, so each depth's term is an exact
+per-token mean (the reference's uniform Σ_i CE_i). p_{t+1+i} is the target's own
+next-token distribution at the position that predicts y_{t,i} (teacher forcing only;
+λ = --kl-weight, default 0).
+
+The target runs once per batch, over all positions, without gradients (or not at all
+when its hidden states are in ``--hidden-cache``); the head then runs at the trained
+positions only: ReDrafter's recurrence over the K fed tokens, Medusa's K heads on h_t.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..data.chat import IGNORE
+from ..errors import SpecdraftError
+from ..redrafter import MedusaHeads, ReDrafterHead
+from .common import (LoopOptions, Plan, TrainState, cosine_schedule, describe, latest_checkpoint,
+                     make_accelerator, train_loop)
+from .examples import Batch, ExampleSet, collate, load_examples
+from .hidden_cache import HiddenCache
+
+ARCHS = ("redrafter", "medusa")
+STATS = ("ce", "kl", "correct1", "correctk", "count")  # per depth, then 3 totals below
+TOTALS = ("target_seconds", "target_tokens", "tokens")
+
+
+def build_head(arch: str, target, K: int, head: str, num_blocks: int | None):
+    """A fresh float32 head for ``target``: ReDrafter (N = 2 blocks by default) or K Medusa
+    heads (1 block each by default)."""
+    if arch == "redrafter":
+        return ReDrafterHead.for_target(target, num_blocks=2 if num_blocks is None else num_blocks, head=head)
+    if arch == "medusa":
+        return MedusaHeads.for_target(target, num_heads=K, num_blocks=1 if num_blocks is None else num_blocks,
+                                      head=head)
+    raise SpecdraftError(f"unknown --arch {arch!r}; choose one of {', '.join(ARCHS)}")
+
+
+class HeadObjective(nn.Module):
+    """The head and its loss as one module, so DDP sees one forward per micro-batch (its
+    gradient hooks are armed in ``forward``) and mixed precision wraps all of it."""
+
+    def __init__(self, head: nn.Module, K: int, kl_weight: float = 0.0, topk: int = 5):
+        super().__init__()
+        self.head = head
+        self.K, self.kl_weight, self.topk = K, kl_weight, topk
+
+    def depth_logits(self, hidden: torch.Tensor, inputs: torch.Tensor, valid: torch.Tensor):
+        """Yield (i, logits (n_i, V) float32) for depth i at the rows ``valid[:, i]``.
+        hidden (N, d); inputs (N, K) long, the tokens fed at depths 0..K-1."""
+        head = self.head
+        if isinstance(head, MedusaHeads):
+            every = head.logits(hidden)  # (N, K, V): head i only sees h_t
+            for i in range(self.K):
+                yield i, every[valid[:, i], i]
+            return
+        embedded = head.embed_input(inputs)  # (N, K, d)
+        state = head.initial_state((inputs.shape[0],), device=inputs.device)
+        for i in range(self.K):
+            state = head.step_embedded(state, embedded[:, i])
+            # The output layer (2d -> V) dominates the cost: only rows with a label.
+            yield i, head.logits(hidden[valid[:, i]], state[valid[:, i]])
+
+    def forward(self, hidden: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor,
+                target_hidden: torch.Tensor | None, denom: torch.Tensor):
+        """hidden (N, d) h_t; inputs, labels (N, K); target_hidden (N, K, d) the target's
+        states that predict each label (for KL) or None; denom (K,) float normalisers.
+        Returns the loss (scalar) and stats (K, 5): ce sum, kl sum, top-1 and top-k hits, count."""
+        valid = labels != IGNORE
+        stats = torch.zeros(self.K, len(STATS), device=hidden.device)
+        # Every parameter enters the graph even when this micro-batch holds no label: DDP
+        # expects a gradient for each parameter from every process.
+        loss = sum(p.sum() for p in self.parameters()) * 0.0
+        for i, logits in self.depth_logits(hidden, inputs, valid):
+            if logits.shape[0] == 0:
+                continue
+            y = labels[valid[:, i], i]
+            logq = F.log_softmax(logits.float(), dim=-1)
+            ce = F.nll_loss(logq, y, reduction="sum")
+            kl = torch.zeros((), device=hidden.device)
+            if self.kl_weight and target_hidden is not None:
+                with torch.no_grad():
+                    logp = F.log_softmax(self.head.parts.logits(target_hidden[valid[:, i], i]).float(), dim=-1)
+                kl = (logp.exp() * (logp - logq)).sum()
+            loss = loss + (ce + self.kl_weight * kl) / denom[i]
+            with torch.no_grad():
+                top = logq.topk(min(self.topk, logq.shape[-1]), dim=-1).indices
+                stats[i] = torch.stack([ce.detach(), kl.detach(), (top[:, 0] == y).sum().float(),
+                                        (top == y[:, None]).any(-1).sum().float(), ce.new_tensor(float(len(y)))])
+        return loss, stats
+
+
+class HeadTask:
+    """The model-specific half of ``common.train_loop`` for drafter heads."""
+
+    bar_fields = ("loss", "acc1_0")
+
+    def __init__(self, target, examples: ExampleSet, K: int, cache: HiddenCache | None, use_kl: bool,
+                 topk: int = 5):
+        self.target, self.examples, self.K = target, examples, K
+        self.cache, self.use_kl, self.topk = cache, use_kl, topk
+        self.device = target.device
+        self._totals = torch.zeros(len(TOTALS))
+
+    # -- data --
+    def micro_batch(self, indices: list[int]) -> Batch:
+        return collate([self.examples[i] for i in indices], self.K)
+
+    def counts(self, mb: Batch) -> torch.Tensor:
+        return mb.counts()
+
+    def num_tokens(self, mb: Batch) -> int:
+        return sum(mb.lengths)
+
+    # -- the target --
+    @torch.no_grad()
+    def hidden(self, mb: Batch) -> torch.Tensor:
+        """(B, T, d) the target's last hidden states (after its final norm), from the cache
+        where every row is there, else from one target pass over the padded batch."""
+        if self.cache is not None:
+            rows = [self.cache.get(k, self.device) for k in mb.keys]
+            if all(r is not None for r in rows):
+                out = torch.zeros(len(rows), mb.input_ids.shape[1], self.target.hidden_size,
+                                  dtype=rows[0].dtype, device=self.device)
+                for b, r in enumerate(rows):
+                    out[b, : r.shape[0]] = r
+                return out
+        start = time.perf_counter()
+        ids, mask = mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
+        hidden = self.target.base(input_ids=ids, attention_mask=mask).last_hidden_state
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self._totals += torch.tensor([time.perf_counter() - start, float(sum(mb.lengths)), 0.0])
+        if self.cache is not None:
+            for b, (key, n) in enumerate(zip(mb.keys, mb.lengths)):
+                self.cache.put(key, hidden[b, :n])
+        return hidden
+
+    # -- the loss --
+    def loss(self, model, mb: Batch, denom: torch.Tensor):
+        hidden = self.hidden(mb)
+        rows, cols = mb.rows.to(self.device), mb.cols.to(self.device)
+        target_hidden = None
+        if self.use_kl:
+            tcols = mb.target_cols.to(self.device)
+            target_hidden = hidden[rows[:, None], tcols.clamp(min=0)]  # (N, K, d); -1 entries are unlabelled
+        loss, stats = model(hidden[rows, cols], mb.inputs.to(self.device), mb.labels.to(self.device),
+                            target_hidden, denom)
+        self._totals[2] += float(sum(mb.lengths))
+        totals, self._totals = self._totals.to(stats.device), torch.zeros(len(TOTALS))
+        return loss, torch.cat([stats.flatten(), totals])
+
+    def sync(self, accelerator) -> None:
+        """Make every process's cached states visible to all (checkpoints, epoch ends)."""
+        if self.cache is not None:
+            self.cache.flush()
+            accelerator.wait_for_everyone()
+            self.cache.refresh()
+
+    def log_fields(self, stats: torch.Tensor, seconds: float, num_processes: int) -> dict:
+        """Loss, per-depth CE / KL / top-1 / top-k accuracy, and throughput, from summed stats."""
+        per = stats[: self.K * len(STATS)].view(self.K, len(STATS)).tolist()
+        target_s, target_tok, tokens = stats[self.K * len(STATS):].tolist()
+        fields: dict = {}
+        loss = 0.0
+        for i, (ce, kl, c1, ck, n) in enumerate(per):
+            n = max(n, 1.0)
+            loss += ce / n + (kl / n if self.use_kl else 0.0)
+            fields[f"ce_{i}"] = round(ce / n, 4)
+            if self.use_kl:
+                fields[f"kl_{i}"] = round(kl / n, 4)
+            fields[f"acc1_{i}"] = round(c1 / n, 4)
+            fields[f"acc{self.topk}_{i}"] = round(ck / n, 4)
+        fields["loss"] = round(loss, 4)
+        fields["labels"] = int(sum(p[4] for p in per))
+        per_process = seconds * num_processes
+        if target_s > 0:
+            fields["target_tokens_per_s"] = round(target_tok / target_s, 1)  # per process
+        head_s = per_process - target_s
+        if head_s > 0:
+            fields["head_tokens_per_s"] = round(tokens / head_s, 1)  # per process, target time excluded
+        return fields
+
+
+# ---- the command ------------------------------------------------------------------------
+
+
+def run(args) -> int:
+    """Train as the parsed ``train redrafter`` options say; returns the exit code."""
+    from accelerate.utils import set_seed
+
+    from ..cli import quiet_loading
+    from ..models import load_target
+
+    check_args(args)
+    out = Path(args.out)
+    accelerator = make_accelerator(cpu=args.device == "cpu", mixed_precision=args.mixed_precision)
+    main = accelerator.is_main_process
+    resume_from = latest_checkpoint(out)
+    if resume_from is not None and not args.resume:
+        raise SpecdraftError(f"{out} already holds checkpoints; pass --resume to continue, or use another --out")
+    device = str(accelerator.device) if args.device in ("auto", None) else args.device
+    with quiet_loading():
+        target = load_target(args.target, device, args.dtype, args.trust_remote_code)
+    examples = load_examples(args.data, target.tokenizer, seq_len=args.seq_len, K=args.future_tokens,
+                             eos_ids=target.eos_ids, limit=args.limit, heldout_fraction=args.heldout_fraction)
+    if args.kl_weight and "next-k" in examples.describe.get("kinds", []):
+        raise SpecdraftError("--kl-weight needs teacher-forced data (ShareGPT or response records); "
+                             "next-k records have no target distribution along their chains")
+    plan = Plan(len(examples), args.batch_size, args.grad_accum, accelerator.num_processes, args.epochs,
+                args.max_steps, args.seed)
+    set_seed(args.seed)
+    head = build_head(args.arch, target, args.future_tokens, args.head, args.num_blocks)
+    model = HeadObjective(head, args.future_tokens, args.kl_weight, args.topk)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise SpecdraftError(f"a {args.head} {args.arch} head with {args.num_blocks} blocks has no trainable parameters")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = cosine_schedule(optimizer, plan.total_steps, args.warmup)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    state = TrainState(run_signature(args, plan, examples))
+    accelerator.register_for_checkpointing(scheduler, state)
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+    elif args.resume and main:
+        print(f"specdraft: no checkpoint in {out}: starting from scratch", file=sys.stderr)
+    cache = open_hidden_cache(args, accelerator, target, examples)
+    task = HeadTask(target, examples, args.future_tokens, cache, use_kl=bool(args.kl_weight), topk=args.topk)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train_args.json").write_text(json.dumps(run_record(args, plan, examples), indent=2))
+        print(f"specdraft: training {args.arch} ({args.head} head, K={args.future_tokens}) on "
+              f"{len(examples)} examples, {plan.total_steps} steps"
+              + (f", resuming at step {state.step}" if state.step else ""), file=sys.stderr)
+    opts = LoopOptions(out=out, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
+                       log_every=args.log_every, stop_after_steps=args.stop_after_steps,
+                       max_grad_norm=args.max_grad_norm, progress=not args.no_progress)
+    finished = train_loop(accelerator, task, model, optimizer, scheduler, plan, state, opts)
+    if finished and main:
+        final = save_final(accelerator.unwrap_model(model).head, out / "final", run_record(args, plan, examples),
+                           state)
+        print(f"specdraft: saved {final} (use --drafter {args.arch}:{final})", file=sys.stderr)
+    elif main:
+        print(f"specdraft: stopped at step {state.step} of {plan.total_steps}; rerun with --resume to continue",
+              file=sys.stderr)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return 0
+
+
+def check_args(args) -> None:
+    for name in ("future_tokens", "batch_size", "grad_accum", "epochs", "seq_len", "save_every", "log_every", "topk"):
+        if getattr(args, name) < 1:
+            raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.seq_len < 2:
+        raise SpecdraftError(f"--seq-len must be >= 2, got {args.seq_len}")
+    if not args.lr > 0 or not 0 <= args.warmup < 1 or args.kl_weight < 0:
+        raise SpecdraftError("need --lr > 0, 0 <= --warmup < 1 and --kl-weight >= 0")
+    if args.limit is not None and args.limit < 1:
+        raise SpecdraftError(f"--limit must be >= 1, got {args.limit}")
+
+
+def run_signature(args, plan: Plan, examples: ExampleSet) -> dict:
+    """Everything a resumed run must share with the run it continues."""
+    return {**plan.signature(), "data": examples.fingerprint(), "seq_len": args.seq_len, "arch": args.arch,
+            "head": args.head, "K": args.future_tokens, "num_blocks": args.num_blocks, "epochs": args.epochs,
+            "max_steps": args.max_steps, "lr": args.lr, "kl_weight": args.kl_weight, "target": args.target}
+
+
+def run_record(args, plan: Plan, examples: ExampleSet) -> dict:
+    """What the saved head's config records about its training."""
+    options = {k: v for k, v in vars(args).items() if k != "run" and not callable(v)}
+    return {"command": shlex.join(["specdraft", *sys.argv[1:]]) if Path(sys.argv[0]).name != "pytest" else None,
+            "options": options, "data": examples.describe, "plan": describe(plan)}
+
+
+def open_hidden_cache(args, accelerator, target, examples: ExampleSet) -> HiddenCache | None:
+    if not args.hidden_cache:
+        return None
+    from ..checkpoint import target_signature
+
+    manifest = {"target": target_signature(target), "dtype": str(target.dtype).replace("torch.", ""),
+                "data": examples.fingerprint(), "seq_len": args.seq_len, "format": 1}
+    if accelerator.is_main_process:
+        HiddenCache.create(args.hidden_cache, manifest)
+    accelerator.wait_for_everyone()
+    return HiddenCache(args.hidden_cache, manifest, rank=accelerator.process_index)
+
+
+def save_final(head, folder: Path, record: dict, state: TrainState) -> Path:
+    """The trained head through ``redrafter.io`` (loadable as --drafter ARCH:FOLDER), with
+    its training recorded under "training" in config.json (ignored when loading)."""
+    from ..checkpoint import CONFIG
+
+    head.save(folder)
+    path = folder / CONFIG
+    config = json.loads(path.read_text())
+    config["training"] = {**record, "steps": state.step, "tokens": state.tokens}
+    path.write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
+    return folder
