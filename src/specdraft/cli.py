@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from . import __version__
+from .cli_bench import add_bench, add_sweep
 from .errors import SpecdraftError
 from .sampling import SamplingParams
 
@@ -228,6 +229,8 @@ def format_stats(result, rid=None) -> str:
 # name -> function that adds the subcommand's parser (and sets its ``run`` default).
 SUBCOMMANDS: dict[str, Callable] = {
     "generate": add_generate,
+    "bench": add_bench,
+    "sweep": add_sweep,
 }
 
 

@@ -62,15 +62,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_run_args(p: argparse.ArgumentParser) -> None:
     """Prompts, sampling and output options shared by bench and sweep."""
     g = p.add_argument_group("prompts")
-    g.add_argument("--dataset", type=str_list, default=["mt-bench"], metavar="mt-bench|humaneval|sharegpt-heldout|FILE.jsonl",
-                   help="prompt set(s), comma-separated; a FILE.jsonl holds {\"prompt\": ...} lines (default: mt-bench)")
+    g.add_argument("--dataset", type=str_list, default=["mt-bench"],
+                   metavar="mt-bench|humaneval|sharegpt-heldout|FILE.jsonl",
+                   help='prompt set(s), comma-separated; a FILE.jsonl holds {"prompt": ...} lines (default: mt-bench)')
     g.add_argument("--limit", type=int, metavar="N", help="first N prompts of each set (default: all)")
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap prompts in the target's chat template (default: on)")
     g.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="(default: %(default)s)")
     g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="for T > 0 (default: %(default)s)")
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="for T > 0, 0 = off (default: %(default)s)")
-    g.add_argument("--seed", type=int, default=0, metavar="S", help="prompt i samples with seed S+i (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="prompt i samples with seed S+i (default: %(default)s)")
     g.add_argument("--repeats", type=int, default=1, metavar="R",
                    help="timed passes over all prompts; tokens/s is their median (default: %(default)s)")
     o = p.add_argument_group("output")
@@ -118,7 +120,8 @@ def add_bench(subparsers) -> None:
     g.add_argument("--batch-sizes", type=int_list, default=[1], metavar="LIST", help="(default: 1)")
     g.add_argument("--temperatures", type=float_list, default=[0.0], metavar="LIST", help="0 = greedy (default: 0)")
     g.add_argument("--beam-width", type=int, metavar="W", help="candidate beams per step (drafter default if unset)")
-    g.add_argument("--beam-length", type=int, metavar="L", help="tokens per beam, g0 included (drafter default if unset)")
+    g.add_argument("--beam-length", type=int, metavar="L",
+                   help="tokens per beam, g0 included (drafter default if unset)")
     g.add_argument("--gamma", type=int, metavar="G", help="tokens a draft model drafts per step")
     g.add_argument("--mt-bench-turns", type=int, default=1, choices=(1, 2),
                    help="2: measure MT-Bench's second turn, after the method's own greedy first answer (default: 1)")
@@ -127,8 +130,10 @@ def add_bench(subparsers) -> None:
                    help="time one target forward against the number of tree tokens it verifies")
     v.add_argument("--verify-tokens", type=int_list, default=None, metavar="LIST",
                    help="tree sizes N (default: 1,2,4,...,256)")
-    v.add_argument("--verify-prefix", type=int, default=256, metavar="P", help="cached tokens before the tree (default: %(default)s)")
-    v.add_argument("--verify-trials", type=int, default=10, metavar="T", help="timed forwards per N (default: %(default)s)")
+    v.add_argument("--verify-prefix", type=int, default=256, metavar="P",
+                   help="cached tokens before the tree (default: %(default)s)")
+    v.add_argument("--verify-trials", type=int, default=10, metavar="T",
+                   help="timed forwards per N (default: %(default)s)")
     v.add_argument("--random-target", metavar="llama-1b|llama-7b|PATH/config.json",
                    help="time a target built from a config with random weights instead of --target")
     add_model_args(p)

@@ -91,18 +91,21 @@ def mtbench_two_turns() -> list[dict]:
             for q in mtbench_questions()]
 
 
-def sharegpt_heldout_prompts() -> list[dict]:
-    """First user turns of the held-out ShareGPT conversations, from
-    ``specdraft.data.sharegpt.heldout_prompts()`` (the training data's own split, so
-    that a drafter is never benchmarked on what it was trained on)."""
+def sharegpt_heldout_prompts(limit: int | None = None) -> list[dict]:
+    """[{'id', 'prompt'}]: the first user turn of the first ``limit`` conversations of the
+    held-out ShareGPT split (``specdraft.data.sharegpt``, the split training never sees,
+    so that a drafter is not benchmarked on what it was trained on)."""
     try:
-        from .data import sharegpt  # type: ignore[attr-defined]
+        from .data.sharegpt import first_turn, iter_conversations
     except ImportError:
         raise SpecdraftError("the sharegpt-heldout prompt set needs specdraft.data.sharegpt, "
                              "which this installation does not have") from None
-    if not hasattr(sharegpt, "heldout_prompts"):
-        raise SpecdraftError("specdraft.data.sharegpt has no heldout_prompts(); cannot build the sharegpt-heldout set")
-    items = [{"id": p.get("id", i), "prompt": p["prompt"]} for i, p in enumerate(sharegpt.heldout_prompts())]
+    items = []
+    for conv in iter_conversations(split="heldout"):
+        if limit is not None and len(items) >= limit:
+            break
+        user = [m["content"] for m in first_turn(conv) if m["role"] == "user"]
+        items.append({"id": conv.id, "prompt": user[-1]})
     if not items:
-        raise SpecdraftError("specdraft.data.sharegpt.heldout_prompts() returned no prompts")
+        raise SpecdraftError("the held-out ShareGPT split holds no conversations")
     return items

@@ -1,8 +1,8 @@
 """The prompt sets a benchmark runs on, by name, and how they become token ids.
 
 Names: ``mt-bench`` (80 first turns, or both turns with ``turns=2``), ``humaneval``
-(164 function stubs), ``sharegpt-heldout`` (when ``specdraft.data.sharegpt`` is
-installed) or a path to a JSONL file of {"prompt": ..., "id": ...} objects.
+(164 function stubs), ``sharegpt-heldout`` (first user turns of the held-out split of
+``specdraft.data.sharegpt``) or a path to a JSONL file of {"prompt": ..., "id": ...} objects.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ def dataset_label(spec: str) -> str:
     return spec if spec in NAMED else Path(spec).stem
 
 
-def load_items(spec: str, chat: bool, turns: int = 1) -> list[dict]:
-    """[{'id', 'prompt'[, 'turns']}] of a named set or a JSONL file."""
+def load_items(spec: str, chat: bool, turns: int = 1, limit: int | None = None) -> list[dict]:
+    """[{'id', 'prompt'[, 'turns']}] of a named set or a JSONL file (``limit`` is a hint:
+    only sets that are slow to read stop early)."""
     if turns not in (1, 2):
         raise SpecdraftError(f"--mt-bench-turns must be 1 or 2, got {turns}")
     if spec == "mt-bench":
@@ -40,7 +41,7 @@ def load_items(spec: str, chat: bool, turns: int = 1) -> list[dict]:
     if spec == "humaneval":
         return prompt_sets.humaneval_prompts(instruction=chat)
     if spec == "sharegpt-heldout":
-        return prompt_sets.sharegpt_heldout_prompts()
+        return prompt_sets.sharegpt_heldout_prompts(limit)  # streams a 125 MB file: stop early
     if spec.endswith(".jsonl") or Path(spec).exists():
         return prompt_sets.read_prompts_file(spec)
     raise SpecdraftError(f"unknown dataset {spec!r}; choose one of {', '.join(NAMED)} or a FILE.jsonl")
@@ -48,7 +49,7 @@ def load_items(spec: str, chat: bool, turns: int = 1) -> list[dict]:
 
 def load_prompts(spec: str, limit: int | None, chat: bool, turns: int = 1) -> list[BenchPrompt]:
     """The first ``limit`` prompts of a set (all when None)."""
-    items = load_items(spec, chat, turns)
+    items = load_items(spec, chat, turns, limit)
     if limit is not None:
         items = items[:limit]
     follow = turns == 2 and spec == "mt-bench"

@@ -19,6 +19,8 @@ from ..sampling import SamplingParams
 from .metrics import batch_stages
 
 PEER_KINDS = ("hf-ar", "hf-assisted", "hf-lookup")
+WITH_PATH = ("redrafter", "medusa", "draft", "hf-assisted")
+WITHOUT_PATH = ("none", "lookup", "hf-ar", "hf-lookup")
 
 
 @dataclass
@@ -109,6 +111,23 @@ def split_shape(spec: str) -> tuple[str, dict]:
     if m.group(3):
         return base, {"gamma": int(m.group(3))}
     return base, {"beam_width": int(m.group(1)), "beam_length": int(m.group(2))}
+
+
+def check_spec(spec: str) -> None:
+    """Fail on an unknown method name or a missing checkpoint folder before anything is
+    measured, rather than after an hour of other rows."""
+    from pathlib import Path
+
+    base, _ = split_shape(spec)
+    kind, colon, path = base.partition(":")
+    if kind in WITHOUT_PATH and not colon:
+        return
+    if kind in WITH_PATH and path:
+        if not Path(path).expanduser().exists():
+            raise SpecdraftError(f"{spec}: checkpoint folder not found: {path}")
+        return
+    raise SpecdraftError(f"unknown method {spec!r}; choose from none, lookup, redrafter:PATH, medusa:PATH, "
+                         "draft:PATH, hf-ar, hf-assisted:PATH, hf-lookup")
 
 
 def build_method(spec: str, target, beam_width=None, beam_length=None, gamma=None) -> Method:

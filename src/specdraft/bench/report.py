@@ -70,7 +70,8 @@ def stage_rows(rows: list[dict]) -> list[list[str]]:
     for r in sorted(rows, key=lambda r: r["batch_size"]):
         frac = r.get("stage_fractions")
         if frac:
-            out.append([f"`{r['drafter']}`", str(r["batch_size"]), *[fmt(100 * frac[k], ".0f", "%") for k in STAGE_KEYS]])
+            shares = [fmt(100 * frac[k], ".0f", "%") for k in STAGE_KEYS]
+            out.append([f"`{r['drafter']}`", str(r["batch_size"]), *shares])
     return out
 
 

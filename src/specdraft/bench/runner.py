@@ -1,14 +1,15 @@
 """``specdraft bench``: measure every requested method on the same prompts, in one process.
 
-Loop order: dataset -> temperature -> batch size -> method, with our plain decoding
-(``none``) always measured first in each setting and ``hf-ar`` next, so that every
-later row has both references. A row is all prompts x all repeats of one method in one
-setting; results.json is rewritten (atomically) as soon as a row finishes, and
-``--resume`` skips rows that are already there.
+Loop order: method -> dataset -> temperature -> batch size, with our plain decoding
+(``none``) always measured first and ``hf-ar`` next, so that every later row has both
+references. A row is all prompts x all repeats of one method in one setting;
+results.json is rewritten (atomically) as soon as a row finishes, and ``--resume``
+skips rows that are already there.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import sys
@@ -75,6 +76,14 @@ class BenchConfig:
         return head + [d for d in asked if d not in head]
 
     def validate(self) -> None:
+        from .methods import check_spec
+
+        for name, values in (("--drafters", self.drafters), ("--dataset", self.datasets),
+                             ("--batch-sizes", self.batch_sizes), ("--temperatures", self.temperatures)):
+            if not values:
+                raise SpecdraftError(f"{name} is empty")
+        for spec in self.drafters:
+            check_spec(spec)
         if self.repeats < 1:
             raise SpecdraftError(f"--repeats must be >= 1, got {self.repeats}")
         if self.limit is not None and self.limit < 1:
@@ -125,7 +134,7 @@ class Bench:
             with quiet_loading():
                 target = load_target(cfg.target, cfg.device, cfg.resolved_dtype(), cfg.trust_remote_code)
         self.target = target
-        self.methods: dict[str, Method] = {}
+        self.datasets: dict[str, tuple] = {}  # spec -> (prompts, first-turn ids)
         self.turn2: dict[tuple, list[int]] = {}  # (method, dataset, prompt index) -> turn-2 prompt ids
         self.memory = metrics.PeakMemory(self.target.device)
         previous = load_for_resume(cfg.out, cfg.settings()) if cfg.resume else None
@@ -137,36 +146,50 @@ class Bench:
     # ---- the loop ---------------------------------------------------------------------------
 
     def run(self) -> dict:
-        """Measure every missing row; results.json is current after each."""
+        """Measure every missing row; results.json is current after each.
+
+        Methods are the outer loop: each is loaded once, measured in every setting, and
+        released before the next, so its peak memory holds only the target and itself."""
         cfg = self.cfg
-        for spec in cfg.datasets:
-            items = load_prompts(spec, cfg.limit, cfg.chat, cfg.mt_bench_turns)
-            first = encode_first_turns(self.target, items, cfg.chat)
-            for temperature in cfg.temperatures:
-                for batch_size in cfg.batch_sizes:
-                    for name in cfg.method_order():
-                        key = (name, dataset_label(spec), float(temperature), int(batch_size))
-                        if key in self.done:
-                            continue
-                        method = self.method(name, first[0])
-                        measurable = method.unsupported(batch_size) is None
-                        prompts = self.prompt_ids(method, spec, items, first) if measurable else first
-                        row = self.measure(method, spec, items, prompts, temperature, batch_size)
-                        self.add(row)
+        for name in cfg.method_order():
+            todo = [(spec, float(t), int(b)) for spec in cfg.datasets for t in cfg.temperatures
+                    for b in cfg.batch_sizes if (name, dataset_label(spec), float(t), int(b)) not in self.done]
+            if not todo:
+                continue
+            method = self.build(name, self.prompts(todo[0][0])[1][0])
+            for spec, temperature, batch_size in todo:
+                items, first = self.prompts(spec)
+                measurable = method.unsupported(batch_size) is None
+                prompts = self.prompt_ids(method, spec, items, first) if measurable else first
+                self.add(self.measure(method, spec, items, prompts, temperature, batch_size))
+            del method
+            self.release()
         return self.results
 
-    def method(self, spec: str, warm_prompt: list[int]) -> Method:
-        """The method named ``spec``, built (and warmed up, untimed) on first use."""
-        if spec not in self.methods:
-            from ..cli import quiet_loading
+    def prompts(self, spec: str) -> tuple[list[BenchPrompt], list[list[int]]]:
+        """A dataset's prompts and their first-turn token ids (loaded once)."""
+        if spec not in self.datasets:
+            items = load_prompts(spec, self.cfg.limit, self.cfg.chat, self.cfg.mt_bench_turns)
+            self.datasets[spec] = (items, encode_first_turns(self.target, items, self.cfg.chat))
+        return self.datasets[spec]
 
-            cfg = self.cfg
-            with quiet_loading():
-                m = build_method(spec, self.target, cfg.beam_width, cfg.beam_length, cfg.gamma)
-            if cfg.warmup:  # first calls pay for allocations and kernel selection
-                m.generate([warm_prompt], [SamplingParams(max_new_tokens=min(8, cfg.max_new_tokens))])
-            self.methods[spec] = m
-        return self.methods[spec]
+    def build(self, spec: str, warm_prompt: list[int]) -> Method:
+        """The method named ``spec``, built and warmed up (untimed)."""
+        from ..cli import quiet_loading
+
+        cfg = self.cfg
+        with quiet_loading():
+            method = build_method(spec, self.target, cfg.beam_width, cfg.beam_length, cfg.gamma)
+        if cfg.warmup:  # first calls pay for allocations and kernel selection
+            method.generate([warm_prompt], [SamplingParams(max_new_tokens=min(8, cfg.max_new_tokens))])
+        return method
+
+    def release(self) -> None:
+        """Free what the last method held (its draft model, its turn-2 prompts)."""
+        self.turn2.clear()
+        gc.collect()
+        if self.target.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def prompt_ids(self, method: Method, spec: str, items: list[BenchPrompt], first: list[list[int]]):
         """The measured prompts: first turns, or (MT-Bench turn 2) the conversation with

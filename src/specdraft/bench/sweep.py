@@ -89,7 +89,8 @@ def sweep_markdown(drafter: str, results: dict, best: dict, recorded: Path | Non
                                                   else f"L={best['beam_length']}") +
              f" at {best['tokens_per_second']:.1f} tokens/s",
              f"- recorded in `{recorded}`" if recorded else "- not recorded (--no-record)", "",
-             "| W | " + ("γ" if is_draft else "L") + " | dataset | tokens/s | vs none | τ |", "|---|---|---|---|---|---|"]
+             "| W | " + ("γ" if is_draft else "L") + " | dataset | tokens/s | vs none | τ |",
+             "|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["dataset"], r["beam_width"] or 0, r["beam_length"] or 0)):
         if r.get("status") != "ok":
             continue

@@ -29,10 +29,12 @@ from ..errors import SpecdraftError
 IGNORE = -100
 
 # Used when the tokenizer has none: "role: content" lines, an EOS after each assistant
-# turn (so the model learns to stop), and "assistant:" as the generation prompt.
+# turn (so the model learns to stop), and "assistant:" as the generation prompt. (The
+# newline is an expression: transformers renders templates with trim_blocks, which eats a
+# literal newline after a block tag.)
 PLAIN_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
-    "{% if m['role'] == 'assistant' %} {{ eos_token }}{% endif %}\n{% endfor %}"
+    "{% if m['role'] == 'assistant' %} {{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 

@@ -92,7 +92,8 @@ class DraftModelDrafter(Drafter):
             check_tokenizer(tokenizer, str(path), target)
         model = load_model(folder, target)
         check_vocab_size(model.get_output_embeddings().weight.shape[0], str(path), target)
-        return cls(model, gamma=gamma or 4, beam_width=beam_width or 1,
+        # Shapes not given fall back to what `specdraft sweep` recorded in the config.
+        return cls(model, gamma=gamma or cfg.get("gamma") or 4, beam_width=beam_width or cfg.get("beam_width") or 1,
                    tokenizer=tokenizer if tokenizer is not None else target.tokenizer, name=str(path))
 
     # ---- the drafter protocol -----------------------------------------------------------

@@ -9,8 +9,11 @@ sampling the engine verifies them by recursive rejection, which keeps p exact.
 
 from __future__ import annotations
 
+import json
+
 import torch
 
+from ..models import cache_dir
 from .base import DraftContext, Drafter, Proposal
 
 
@@ -24,23 +27,40 @@ class LookupDrafter(Drafter):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def continuations(self, history: torch.Tensor) -> list[torch.Tensor]:
-        """Up to W distinct continuations (each <= L-1 tokens) of ``history`` (T,)."""
+        """Up to W distinct continuations (each <= L-1 tokens) of ``history`` (T,).
+
+        The longest n-gram with a match wins. Among its matches, those followed by a full
+        L-1 tokens come first (a match near the end of the history has a cut-off
+        continuation, e.g. inside a repetition), each group most recent first.
+        """
         T, D = history.shape[0], self.L - 1
-        found: list[torch.Tensor] = []
         if D == 0:
-            return found
+            return []
         for n in range(min(self.max_ngram, T - 1), self.min_ngram - 1, -1):
             windows = history[: T - 1].unfold(0, n, 1)  # windows ending before the last token
-            starts = (windows == history[T - n:]).all(dim=1).nonzero()[:, 0]
-            for s in starts.flip(0).tolist():  # most recent match first
+            starts = (windows == history[T - n:]).all(dim=1).nonzero()[:, 0].flip(0).tolist()
+            if not starts:
+                continue
+            starts.sort(key=lambda s: s + n + D > T)  # stable: full continuations first
+            found: list[torch.Tensor] = []
+            for s in starts:
                 cont = history[s + n: s + n + D]
                 if not any(c.shape == cont.shape and bool((c == cont).all()) for c in found):
                     found.append(cont)
                 if len(found) == self.W:
-                    return found
-            if found:
-                return found
-        return found
+                    break
+            return found
+        return []
+
+    @staticmethod
+    def recorded_shape() -> tuple[int, int] | None:
+        """(W, L) that `specdraft sweep` recorded for this machine, if any."""
+        path = cache_dir() / "lookup.json"
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+            return int(cfg["beam_width"]), int(cfg["beam_length"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def propose(self, ctx: DraftContext) -> Proposal:
         B, device = len(ctx.tokens), ctx.g0.device

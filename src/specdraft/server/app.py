@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import SpeculativeEngine, StepEvent
+from ..errors import SpecdraftError
 from .metrics import ServerMetrics
 from .protocol import (CHAT, COMPLETIONS, DONE, APIError, ChunkWriter, GenerationRequest, bad_request,
                        completion_body, new_response_id, parse_json_body, parse_request)
@@ -37,7 +38,7 @@ from .streaming import TextStream
 log = logging.getLogger("specdraft.server")
 
 ROUTES = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS, "/v1/models": "models"}
-DISCONNECT_POLL_S = 0.5  # how often a waiting non-streamed request checks that its client is still there
+CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection"; nobody receives it
 
 
 @dataclass
@@ -70,6 +71,12 @@ class Service:
     @property
     def target(self):
         return self.engine.target
+
+    def status(self) -> str:
+        """ok, draining (after SIGTERM), or stopped (the scheduler thread has ended)."""
+        if self.draining:
+            return "draining"
+        return "ok" if self.scheduler.accepting else "stopped"
 
 
 def create_app(engine: SpeculativeEngine, options: ServeOptions) -> FastAPI:
@@ -106,9 +113,10 @@ def create_app(engine: SpeculativeEngine, options: ServeOptions) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        body = {"status": "draining" if service.draining else "ok", "model": options.model_name,
+        status = service.status()
+        body = {"status": status, "model": options.model_name,
                 "waiting": service.scheduler.waiting, "running": service.scheduler.running}
-        return JSONResponse(body, status_code=503 if service.draining else 200)
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -201,41 +209,51 @@ async def generate(service: Service, request: Request, endpoint: str) -> Respons
     """Validate, queue, and answer one chat or completions request."""
     received = time.perf_counter()
     check_api_key(service, request)
-    if service.draining:
+    if service.status() != "ok":
         raise APIError(503, "the server is shutting down", type="server_error", code="server_shutting_down")
     req = parse_request(await read_body(service, request), endpoint, service.options.model_name)
     prompt = encode_prompt(service.target, req)
-    params = req.sampling_params(len(prompt), service.target.max_context, service.options.default_max_tokens)
+    params = sampling_params(service, req, prompt)
     job_id, inbox = submit(service, prompt, params)
     try:
-        first = await next_item(inbox, request)
-    except (ClientGone, asyncio.CancelledError):
+        # Until the response starts, nothing else listens to the connection: watch it here.
+        async with disconnect_watch(request, inbox):
+            first = await next_delivery(inbox)
+            service.metrics.ttft.observe(time.perf_counter() - received)
+            if not req.stream:
+                result = await collect_result(inbox, first)
+    except (ClientGone, asyncio.CancelledError) as e:
         service.scheduler.cancel(job_id)
+        if isinstance(e, ClientGone):
+            return Response(status_code=CLIENT_CLOSED)
         raise
-    if isinstance(first, JobError):
-        raise job_error(first)
-    service.metrics.ttft.observe(time.perf_counter() - received)
     rid = new_response_id(endpoint)
-    if req.stream:
+    if req.stream:  # from here on StreamingResponse watches for the disconnect
         body = stream_body(service, req, rid, inbox, first, received)
         return CancellingStream(body, on_close=lambda: service.scheduler.cancel(job_id),
                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    try:
-        result = await collect_result(inbox, request, first)
-    except (ClientGone, asyncio.CancelledError):
-        service.scheduler.cancel(job_id)
-        raise
     service.metrics.latency.labels(endpoint).observe(time.perf_counter() - received)
     return JSONResponse(completion_body(endpoint, rid, req.model, result.text, result.finish_reason,
                                         result.prompt_tokens, result.new_tokens))
 
 
 async def read_body(service: Service, request: Request) -> dict:
+    limit = service.options.max_body_bytes
+    too_large = APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:  # refuse before reading it
+        raise too_large
     raw = await request.body()
-    if len(raw) > service.options.max_body_bytes:
-        raise APIError(413, f"the request body exceeds {service.options.max_body_bytes} bytes",
-                       code="request_too_large")
+    if len(raw) > limit:
+        raise too_large
     return parse_json_body(raw)
+
+
+def sampling_params(service: Service, req: GenerationRequest, prompt: list[int]):
+    try:
+        return req.sampling_params(len(prompt), service.target.max_context, service.options.default_max_tokens)
+    except SpecdraftError as e:  # the engine's own rules, should protocol.py have missed one
+        raise bad_request(str(e)) from None
 
 
 def encode_prompt(target, req: GenerationRequest) -> list[int]:
@@ -257,7 +275,7 @@ def encode_prompt(target, req: GenerationRequest) -> list[int]:
 def encode_chat(target, messages: list[dict]) -> list[int]:
     tok = target.tokenizer
     if not getattr(tok, "chat_template", None):
-        raise bad_request(f"the model has no chat template; use /v1/completions", "messages", "no_chat_template")
+        raise bad_request("the model has no chat template; use /v1/completions", "messages", "no_chat_template")
     try:
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     except Exception as e:  # templates reject what they cannot render (e.g. roles out of order)
@@ -286,24 +304,43 @@ def submit(service: Service, prompt: list[int], params) -> tuple[int, asyncio.Qu
     return job.id, inbox
 
 
-async def next_item(inbox: asyncio.Queue, request: Request) -> StepEvent | JobError:
-    """The job's next delivery; raises ClientGone if the client disconnects meanwhile."""
-    while True:
-        try:
-            return await asyncio.wait_for(inbox.get(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                raise ClientGone() from None
+GONE = object()  # put into a request's inbox when its client disconnects
 
 
-async def collect_result(inbox: asyncio.Queue, request: Request, item):
+@asynccontextmanager
+async def disconnect_watch(request: Request, inbox: asyncio.Queue):
+    """While inside, a client disconnect puts GONE into ``inbox``.
+
+    The request body has been read, so the only message ``receive`` can still bring is
+    the disconnect. The watcher must be gone before a StreamingResponse starts its own.
+    """
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        inbox.put_nowait(GONE)
+
+    task = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        task.cancel()
+
+
+async def next_delivery(inbox: asyncio.Queue) -> StepEvent:
+    """The job's next event; a job error becomes its APIError, a disconnect ClientGone."""
+    item = await inbox.get()
+    if item is GONE:
+        raise ClientGone()
+    if isinstance(item, JobError):
+        raise job_error(item)
+    return item
+
+
+async def collect_result(inbox: asyncio.Queue, event: StepEvent):
     """Wait for the job's result (non-streamed responses need only that)."""
-    while True:
-        if isinstance(item, JobError):
-            raise job_error(item)
-        if item.result is not None:
-            return item.result
-        item = await next_item(inbox, request)
+    while event.result is None:
+        event = await next_delivery(inbox)
+    return event.result
 
 
 async def stream_body(service: Service, req: GenerationRequest, rid: str, inbox: asyncio.Queue,

@@ -27,6 +27,7 @@ CHAT = "chat"
 COMPLETIONS = "completions"
 ROLES = ("system", "developer", "user", "assistant")
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+GREEDY_BELOW = 1e-5  # logits / such a temperature overflow float32; the limit is greedy anyway
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
 
 
@@ -143,6 +144,8 @@ def parse_request(body: dict, endpoint: str, served_model: str) -> GenerationReq
         req.prompt = _prompt(body.get("prompt"))
     req.max_tokens = _max_tokens(body)
     req.temperature = _number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
+    if req.temperature < GREEDY_BELOW:
+        req.temperature = 0.0
     req.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
     req.top_k = _integer(body, "top_k", 0, 0) or 0
     req.seed = _integer(body, "seed", None, *SEED_RANGE)

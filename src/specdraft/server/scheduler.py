@@ -181,6 +181,8 @@ class Scheduler:
         try:
             while self._next_round():
                 pass
+        except Exception:  # a bug here must not leave requests waiting forever
+            log.exception("the scheduler stopped")
         finally:
             self._fail_everything(JobError(JobError.SHUTDOWN, "the server shut down before the request finished"))
 
@@ -266,22 +268,23 @@ class Scheduler:
         self._dispatch(events)
 
     def _dispatch(self, events: list[StepEvent]) -> None:
-        finished = []
-        for event in events:
-            job = self._active.get(event.index)
-            if job is None:
-                continue
-            self.metrics.tokens(len(event.new_ids))
-            job.deliver(event)
-            if event.result is not None:
-                self.metrics.finished(event.result.tokens_per_step)
-                finished.append(event.index)
-        if finished:
-            with self._cond:
-                for i in finished:
-                    self._active.pop(i, None)
+        """Hand each event to its job. Counters and bookkeeping come first, so that a
+        client holding its response always finds it counted and its row gone."""
+        deliveries = []
+        with self._cond:
+            for event in events:
+                job = self._active.get(event.index)
+                if job is None:
+                    continue
+                self.metrics.tokens(len(event.new_ids))
+                if event.result is not None:
+                    del self._active[event.index]
+                    self.metrics.finished(event.result.tokens_per_step)
                     self.metrics.ended("finished")
-                self._publish_depth()
+                deliveries.append((job, event))
+            self._publish_depth()
+        for job, event in deliveries:
+            _deliver_safely(job, event)
 
     def _fail(self, jobs: list[Job], error: JobError) -> None:
         with self._cond:
@@ -301,9 +304,9 @@ class Scheduler:
             self._publish_depth()
 
     def _end(self, job: Job, error: JobError | None, reason: str) -> None:
+        self.metrics.ended(reason)
         if error is not None:
             _deliver_safely(job, error)
-        self.metrics.ended(reason)
 
     def _publish_depth(self) -> None:
         self.metrics.queue(len(self._waiting), len(self._active))

