@@ -57,6 +57,8 @@ class GenerationResult:
     seconds: float
     stage_seconds: dict[str, float]
     accepted_hist: dict[int, int]  # tokens gained per step -> number of steps
+    drafted_hist: dict[int, int] = field(default_factory=dict)  # drafted depth offered per step -> steps
+    tree_tokens: int = 0  # tokens the target verified in decode steps (tree sizes, g0 included)
 
     @property
     def new_tokens(self) -> int:
@@ -78,6 +80,8 @@ class GenerationResult:
             "tokens_per_second": self.tokens_per_second, "seconds": self.seconds,
             "stage_seconds": self.stage_seconds,
             "accepted_hist": {str(k): v for k, v in sorted(self.accepted_hist.items())},
+            "drafted_hist": {str(k): v for k, v in sorted(self.drafted_hist.items())},
+            "tree_tokens": self.tree_tokens,
         }
 
 
@@ -99,6 +103,8 @@ class _Row:
     generated: list[int] = field(default_factory=list)
     steps: int = 0
     hist: Counter = field(default_factory=Counter)
+    drafted: Counter = field(default_factory=Counter)
+    tree_tokens: int = 0
     finish_reason: str | None = None
     started: float = field(default_factory=time.perf_counter)
 
@@ -207,10 +213,16 @@ class SpeculativeEngine:
             path_tokens = tree.tokens.gather(1, acc.path)
             self.drafter.observe(ctx, path_tokens, acc.n)
             batch.hidden = tree_hidden[torch.arange(len(batch.rows), device=tree_hidden.device), acc.last]
+            # Drafted depth offered per row: the longest valid beam, g0 not counted.
+            offered = (proposal.valid.any(dim=1).sum(dim=-1) - 1).tolist()
+            sizes = tree.real.sum(dim=1).tolist()
             gained = []
-            for row, path, n, nxt in zip(batch.rows, path_tokens.tolist(), acc.n.tolist(), acc.next_token.tolist()):
+            for row, path, n, nxt, depth, size in zip(batch.rows, path_tokens.tolist(), acc.n.tolist(),
+                                                      acc.next_token.tolist(), offered, sizes):
                 row.steps += 1
                 row.hist[n] += 1
+                row.drafted[depth] += 1
+                row.tree_tokens += size
                 gained.append(path[1:n] + [nxt])
             events = self._append(batch, gained)
             batch.ctx = self._context(batch.rows, batch.hidden)
@@ -360,7 +372,7 @@ class SpeculativeEngine:
             token_ids=list(row.generated), text=text, prompt_tokens=len(row.prompt),
             finish_reason=row.finish_reason or "length", steps=row.steps,
             seconds=time.perf_counter() - row.started, stage_seconds=dict(timer.seconds),
-            accepted_hist=dict(row.hist))
+            accepted_hist=dict(row.hist), drafted_hist=dict(row.drafted), tree_tokens=row.tree_tokens)
 
     def _drop_finished(self, batch: "Batch", tell_drafter: bool = True) -> None:
         alive = [i for i, r in enumerate(batch.rows) if r.finish_reason is None]
