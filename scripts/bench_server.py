@@ -25,6 +25,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
@@ -74,12 +75,16 @@ class Server:
 
     def __enter__(self) -> "Server":
         self.proc = subprocess.Popen(self.cmd, stderr=subprocess.PIPE, text=True)
-        line = self.proc.stderr.readline()
-        if " on http://" not in line:
-            self.proc.kill()
-            raise SystemExit(f"the server did not start:\n{line}{self.proc.stderr.read()}")
-        self.url = line.rsplit(" on ", 1)[1].strip()
-        return self
+        seen = []
+        for line in self.proc.stderr:  # "specdraft: serving NAME (drafter D) on http://HOST:PORT"
+            if line.startswith("specdraft: serving "):
+                self.url = line.rsplit(" on ", 1)[1].strip()
+                # Keep reading its log, or a full pipe would block the server.
+                threading.Thread(target=self.proc.stderr.read, daemon=True).start()
+                return self
+            seen.append(line)
+        self.proc.wait()
+        raise SystemExit("the server did not start:\n" + "".join(seen))
 
     def __exit__(self, *exc) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -168,7 +173,8 @@ def print_table(args, rows) -> None:
     print(f"\n`specdraft serve`, target {args.target} ({args.device}, {args.dtype}), "
           f"{'completions' if args.completions else 'chat'}, greedy, max_tokens {args.max_tokens}, "
           f"--max-batch-size {args.max_batch_size}, {os.cpu_count()} CPUs\n")
-    print("| drafter | concurrency | requests | requests/s | tokens/s | τ | p50 latency (s) | p95 latency (s) | p50 TTFT (s) |")
+    print("| drafter | concurrency | requests | requests/s | tokens/s | τ "
+          "| p50 latency (s) | p95 latency (s) | p50 TTFT (s) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for drafter, c, r in rows:
         print(f"| {drafter} | {c} | {r['requests']} | {r['rps']:.2f} | {r['tps']:.1f} | {r['tau']:.2f} | "

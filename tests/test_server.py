@@ -29,9 +29,7 @@ from urllib.parse import urlparse
 import pytest
 import torch
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
+import openai  # the official client: tests speak to the server exactly as users do
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from specdraft.drafters.registry import build_drafter  # noqa: E402
@@ -559,14 +557,22 @@ def test_bad_option_is_one_error_line(capsys):
     assert len(err) == 1 and "--max-batch-size" in err[0]
 
 
+def announced_url(proc) -> str:
+    """The address from "specdraft: serving NAME (drafter D) on http://127.0.0.1:PORT"."""
+    seen = []
+    for line in proc.stderr:
+        if line.startswith("specdraft: serving "):
+            return line.rsplit(" on ", 1)[1].strip()
+        seen.append(line)
+    raise AssertionError("the server did not start:\n" + "".join(seen))
+
+
 def test_serve_command_drains_on_sigterm(tiny_target_path):
     cmd = serve_command() + ["--target", str(tiny_target_path), "--drafter", "none", "--port", "0",
                              "--max-batch-size", "2", "--model-name", "tiny", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        line = proc.stderr.readline()  # "specdraft: serving tiny (drafter none) on http://127.0.0.1:PORT"
-        assert "serving tiny" in line, line + proc.stderr.read()
-        url = line.split(" on ")[-1].strip()
+        url = announced_url(proc)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
         stream = client.completions.create(model="tiny", prompt="t3 t4", max_tokens=100, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})

@@ -19,6 +19,7 @@ from typing import Callable, Iterator
 
 from . import __version__
 from .cli_bench import add_bench, add_sweep
+from .cli_serve import add_serve
 from .errors import SpecdraftError
 from .sampling import SamplingParams
 
@@ -231,6 +232,7 @@ SUBCOMMANDS: dict[str, Callable] = {
     "generate": add_generate,
     "bench": add_bench,
     "sweep": add_sweep,
+    "serve": add_serve,
 }
 
 

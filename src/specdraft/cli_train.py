@@ -50,6 +50,9 @@ def add_train_redrafter(subparsers) -> None:
     g.add_argument("--head", choices=("own", "shared"), default="own",
                    help="own output layer, or the target's frozen LM head (default: %(default)s)")
     g.add_argument("--num-blocks", type=int, metavar="N", help="residual blocks (default: 2 redrafter, 1 medusa)")
+    g.add_argument("--init", choices=("target", "random"), default="target",
+                   help="ReDrafter: start the output map as the target's own LM head on h (target) or from "
+                        "random weights (default: %(default)s)")
     g.add_argument("--future-tokens", "-K", type=int, default=5, metavar="K",
                    help="tokens predicted per position (Medusa: number of heads) (default: %(default)s)")
     g = p.add_argument_group("optimisation")

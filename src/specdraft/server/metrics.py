@@ -9,7 +9,7 @@ Names (all prefixed ``specdraft_``):
 requests_total{endpoint,status}        counter    HTTP responses of the /v1 endpoints by status
 request_endings_total{reason}          counter    how generations ended: finished, cancelled
                                                   (client left), timeout, shutdown, engine
-prompt_tokens_total                    counter    prompt tokens of admitted requests
+prompt_tokens_total                    counter    prompt tokens of queued requests
 generated_tokens_total                 counter    tokens generated (cancelled requests included)
 engine_steps_total                     counter    batched decoding steps
 tokens_per_step                        histogram  τ of each finished request (prefill included)
@@ -40,7 +40,7 @@ class ServerMetrics(SchedulerMetrics):
         self.requests = Counter(p + "requests", "HTTP responses of the /v1 endpoints", ["endpoint", "status"],
                                 registry=r)
         self.endings = Counter(p + "request_endings", "How generations ended", ["reason"], registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of queued requests", registry=r)
         self.generated_tokens = Counter(p + "generated_tokens", "Tokens generated", registry=r)
         self.steps = Counter(p + "engine_steps", "Batched decoding steps", registry=r)
         self.tau = Histogram(p + "tokens_per_step", "Tokens per target forward of each finished request",

@@ -234,7 +234,11 @@ class Scheduler:
         if not ids:
             return
         if self._batch is not None:
-            self.engine.cancel(self._batch, ids)
+            try:
+                self.engine.cancel(self._batch, ids)
+            except Exception as e:
+                self._engine_failed(e)  # ends these jobs too (with an engine error)
+                return
         with self._cond:
             for i in ids:
                 error = cancels[i]
@@ -248,9 +252,12 @@ class Scheduler:
                 self._batch, events = self.engine.start(prompts, params, ids)
             else:
                 events = self.engine.admit(self._batch, prompts, params, ids)
-        except Exception as e:  # a failed prefill leaves the running batch as it was
-            log.exception("prefill failed")
-            self._fail(jobs, JobError(JobError.ENGINE, f"the engine failed: {e}"))
+        except Exception as e:
+            if self._batch is not None and set(ids) & set(self._batch.ids):
+                self._engine_failed(e)  # it failed while joining the batch: the batch is suspect
+            else:  # it failed in the prefill, before touching the running batch
+                log.exception("prefill failed")
+                self._fail(jobs, JobError(JobError.ENGINE, f"the engine failed: {e}"))
             return
         self._dispatch(events)
 
@@ -259,13 +266,18 @@ class Scheduler:
         rows = len(self._batch.rows)
         try:
             events = self.engine.step(self._batch)
-        except Exception as e:  # the batch may be inconsistent now: drop it, keep serving
-            log.exception("decoding step failed")
-            self._batch = None
-            self._fail(list(self._active.values()), JobError(JobError.ENGINE, f"the engine failed: {e}"))
+        except Exception as e:
+            self._engine_failed(e)
             return
         self.metrics.step(rows, time.perf_counter() - start)
         self._dispatch(events)
+
+    def _engine_failed(self, error: Exception) -> None:
+        """The batch may be inconsistent now: end its jobs, drop it, keep serving (the next
+        admission starts a new batch, which also resets the drafter)."""
+        log.exception("the engine failed")
+        self._batch = None
+        self._fail(list(self._active.values()), JobError(JobError.ENGINE, f"the engine failed: {error}"))
 
     def _dispatch(self, events: list[StepEvent]) -> None:
         """Hand each event to its job. Counters and bookkeeping come first, so that a

@@ -43,15 +43,33 @@ STATS = ("ce", "kl", "correct1", "correctk", "count")  # per depth, then 3 total
 TOTALS = ("target_seconds", "target_tokens", "tokens")
 
 
-def build_head(arch: str, target, K: int, head: str, num_blocks: int | None):
+def build_head(arch: str, target, K: int, head: str, num_blocks: int | None, init: str = "target"):
     """A fresh float32 head for ``target``: ReDrafter (N = 2 blocks by default) or K Medusa
-    heads (1 block each by default)."""
+    heads (1 block each by default, initialised by ``MedusaHeads.for_target``)."""
     if arch == "redrafter":
-        return ReDrafterHead.for_target(target, num_blocks=2 if num_blocks is None else num_blocks, head=head)
+        drafter = ReDrafterHead.for_target(target, num_blocks=2 if num_blocks is None else num_blocks, head=head)
+        if init == "target":
+            init_from_target(drafter, target)
+        return drafter
     if arch == "medusa":
         return MedusaHeads.for_target(target, num_heads=K, num_blocks=1 if num_blocks is None else num_blocks,
                                       head=head)
     raise SpecdraftError(f"unknown --arch {arch!r}; choose one of {', '.join(ARCHS)}")
+
+
+@torch.no_grad()
+def init_from_target(head: ReDrafterHead, target) -> None:
+    """Start the ReDrafter head's output as the target's own next-token prediction from
+    h (the [h ; s] -> logits map reads only the h half): "shared" P = [I, 0], "own"
+    O = [LM head, 0]. From random weights the head's first logits are large and wrong
+    (on SmolLM2 the first losses are ~3x those of this start); the s half is learned."""
+    d = head.config.hidden_size
+    if head.config.head == "shared":
+        head.proj.weight.zero_()
+        head.proj.weight[:, :d].copy_(torch.eye(d))
+    elif getattr(target.head, "bias", None) is None:
+        head.out.weight.zero_()
+        head.out.weight[:, :d].copy_(target.head.weight.float())
 
 
 class HeadObjective(nn.Module):
@@ -228,7 +246,7 @@ def run(args) -> int:
     plan = Plan(len(examples), args.batch_size, args.grad_accum, accelerator.num_processes, args.epochs,
                 args.max_steps, args.seed)
     set_seed(args.seed)
-    head = build_head(args.arch, target, args.future_tokens, args.head, args.num_blocks)
+    head = build_head(args.arch, target, args.future_tokens, args.head, args.num_blocks, args.init)
     model = HeadObjective(head, args.future_tokens, args.kl_weight, args.topk)
     if not any(p.requires_grad for p in model.parameters()):
         raise SpecdraftError(f"a {args.head} {args.arch} head with {args.num_blocks} blocks has no trainable parameters")
@@ -280,7 +298,8 @@ def check_args(args) -> None:
 def run_signature(args, plan: Plan, examples: ExampleSet) -> dict:
     """Everything a resumed run must share with the run it continues."""
     return {**plan.signature(), "data": examples.fingerprint(), "seq_len": args.seq_len, "arch": args.arch,
-            "head": args.head, "K": args.future_tokens, "num_blocks": args.num_blocks, "epochs": args.epochs,
+            "head": args.head, "K": args.future_tokens, "num_blocks": args.num_blocks, "init": args.init,
+            "epochs": args.epochs,
             "max_steps": args.max_steps, "lr": args.lr, "kl_weight": args.kl_weight, "target": args.target}
 
 
