@@ -123,6 +123,14 @@ def test_real_sharegpt_package_first_records():
         assert all(a != b for a, b in zip(roles, roles[1:]))
 
 
+def test_real_sharegpt_whole_file_is_read_up_to_its_cut():
+    stats = StreamStats()
+    kept = sum(1 for _ in iter_conversations(split="all", stats=stats))
+    assert stats.records == 17671 and stats.truncated_chars > 0 and not stats.closed
+    assert kept == stats.kept == 17390 and sum(stats.skipped.values()) == stats.records - kept
+    assert "incomplete last record" in stats.summary()
+
+
 # ---- chat rendering and masks ---------------------------------------------------------------
 
 

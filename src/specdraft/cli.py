@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 from . import __version__
 from .cli_bench import add_bench, add_sweep
 from .cli_serve import add_serve
+from .cli_train import add_distill, add_train
 from .errors import SpecdraftError
 from .sampling import SamplingParams
 
@@ -233,6 +234,8 @@ SUBCOMMANDS: dict[str, Callable] = {
     "bench": add_bench,
     "sweep": add_sweep,
     "serve": add_serve,
+    "train": add_train,
+    "distill": add_distill,
 }
 
 

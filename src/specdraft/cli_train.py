@@ -50,9 +50,6 @@ def add_train_redrafter(subparsers) -> None:
     g.add_argument("--head", choices=("own", "shared"), default="own",
                    help="own output layer, or the target's frozen LM head (default: %(default)s)")
     g.add_argument("--num-blocks", type=int, metavar="N", help="residual blocks (default: 2 redrafter, 1 medusa)")
-    g.add_argument("--init", choices=("target", "random"), default="target",
-                   help="ReDrafter: start the output map as the target's own LM head on h (target) or from "
-                        "random weights (default: %(default)s)")
     g.add_argument("--future-tokens", "-K", type=int, default=5, metavar="K",
                    help="tokens predicted per position (Medusa: number of heads) (default: %(default)s)")
     g = p.add_argument_group("optimisation")
@@ -161,6 +158,7 @@ def run_distill(args: argparse.Namespace) -> int:
         from .models import load_target
 
         convs, stats = load_conversations(_sharegpt_path(args.data), args.split, args.limit)
+        print(f"specdraft: ShareGPT: {stats.summary()}", file=sys.stderr)
         with cli.quiet_loading():
             target = load_target(args.target, args.device, args.dtype, args.trust_remote_code)
         report = distill.distill_next_k(target, convs, args.out, K=args.future_tokens, seq_len=args.seq_len,
@@ -211,5 +209,6 @@ def _prompt_items(args) -> list[tuple[str, list[dict]]]:
         return [(str(it["id"]), [{"role": "user", "content": it["prompt"]}]) for it in items]
     from .data.sharegpt import first_turn, load_conversations
 
-    convs, _ = load_conversations(_sharegpt_path(args.data), args.split, args.limit)
+    convs, stats = load_conversations(_sharegpt_path(args.data), args.split, args.limit)
+    print(f"specdraft: ShareGPT: {stats.summary()}", file=sys.stderr)
     return [(c.id, first_turn(c)) for c in convs]

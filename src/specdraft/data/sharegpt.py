@@ -66,12 +66,15 @@ class StreamStats:
     kept: int = 0
     truncated_chars: int = 0
     closed: bool = False
+    limited: bool = False  # reading stopped at a limit, before the end of the file
     skipped: Counter = field(default_factory=Counter)
 
     def summary(self) -> str:
         skipped = ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items())) or "none"
-        tail = (f"an incomplete last record of {self.truncated_chars} characters was dropped"
-                if self.truncated_chars else ("the array ended cleanly" if self.closed else "the file ended early"))
+        tail = ("reading stopped at the limit" if self.limited else
+                f"an incomplete last record of {self.truncated_chars} characters was dropped"
+                if self.truncated_chars else
+                "the array ended cleanly" if self.closed else "the file ended without closing the array")
         return f"{self.records} records read, {self.kept} conversations kept; skipped: {skipped}; {tail}"
 
 
@@ -231,6 +234,7 @@ def load_conversations(path: str | Path | None = None, split: str = "train", lim
     out: list[Conversation] = []
     for conv in iter_conversations(path, split, heldout_fraction, stats):
         if limit is not None and len(out) >= limit:
+            stats.limited = True
             break
         out.append(conv)
     return out, stats

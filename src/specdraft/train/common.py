@@ -261,6 +261,7 @@ def train_loop(accelerator, task, model, optimizer, scheduler, plan: Plan, state
                 stats = mb_stats if stats is None else stats + mb_stats
             if opts.max_grad_norm:
                 accelerator.clip_grad_norm_(params, opts.max_grad_norm)
+            lr = scheduler.get_last_lr()[0]  # the rate this step uses
             updating = True
             optimizer.step()
             scheduler.step()
@@ -273,7 +274,7 @@ def train_loop(accelerator, task, model, optimizer, scheduler, plan: Plan, state
             if state.step % opts.log_every == 0 or state.step == stop_at:
                 seconds = time.perf_counter() - window_start
                 fields = task.log_fields(accelerator.reduce(window, "sum"), seconds, accelerator.num_processes)
-                entry = {"step": state.step, "epoch": epoch, "lr": scheduler.get_last_lr()[0],
+                entry = {"step": state.step, "epoch": epoch, "lr": lr,
                          "tokens": state.tokens, **fields, "seconds": round(seconds, 3)}
                 log.write(entry)
                 bar.set_postfix({k: fields[k] for k in task.bar_fields if k in fields}, refresh=False)

@@ -21,7 +21,6 @@ positions only: ReDrafter's recurrence over the K fed tokens, Medusa's K heads o
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -43,33 +42,25 @@ STATS = ("ce", "kl", "correct1", "correctk", "count")  # per depth, then 3 total
 TOTALS = ("target_seconds", "target_tokens", "tokens")
 
 
-def build_head(arch: str, target, K: int, head: str, num_blocks: int | None, init: str = "target"):
+def build_head(arch: str, target, K: int, head: str, num_blocks: int | None):
     """A fresh float32 head for ``target``: ReDrafter (N = 2 blocks by default) or K Medusa
-    heads (1 block each by default, initialised by ``MedusaHeads.for_target``)."""
+    heads (1 block each by default, initialised by ``MedusaHeads.for_target``).
+
+    ReDrafter "shared" heads start with P = 0, i.e. uniform logits (LM(0) = 0), like the
+    near-uniform start of an "own" output layer: from random P the target's LM head makes
+    the first predictions large and wrong (SmolLM2: CE ≈ 17 nats per depth instead of
+    ln V ≈ 10.8).
+    """
     if arch == "redrafter":
         drafter = ReDrafterHead.for_target(target, num_blocks=2 if num_blocks is None else num_blocks, head=head)
-        if init == "target":
-            init_from_target(drafter, target)
+        if head == "shared":
+            with torch.no_grad():
+                drafter.proj.weight.zero_()
         return drafter
     if arch == "medusa":
         return MedusaHeads.for_target(target, num_heads=K, num_blocks=1 if num_blocks is None else num_blocks,
                                       head=head)
     raise SpecdraftError(f"unknown --arch {arch!r}; choose one of {', '.join(ARCHS)}")
-
-
-@torch.no_grad()
-def init_from_target(head: ReDrafterHead, target) -> None:
-    """Start the ReDrafter head's output as the target's own next-token prediction from
-    h (the [h ; s] -> logits map reads only the h half): "shared" P = [I, 0], "own"
-    O = [LM head, 0]. From random weights the head's first logits are large and wrong
-    (on SmolLM2 the first losses are ~3x those of this start); the s half is learned."""
-    d = head.config.hidden_size
-    if head.config.head == "shared":
-        head.proj.weight.zero_()
-        head.proj.weight[:, :d].copy_(torch.eye(d))
-    elif getattr(target.head, "bias", None) is None:
-        head.out.weight.zero_()
-        head.out.weight[:, :d].copy_(target.head.weight.float())
 
 
 class HeadObjective(nn.Module):
@@ -131,10 +122,11 @@ class HeadTask:
 
     bar_fields = ("loss", "acc1_0")
 
-    def __init__(self, target, examples: ExampleSet, K: int, cache: HiddenCache | None, use_kl: bool,
+    def __init__(self, target, examples: ExampleSet, K: int, cache: HiddenCache | None, kl_weight: float = 0.0,
                  topk: int = 5):
         self.target, self.examples, self.K = target, examples, K
-        self.cache, self.use_kl, self.topk = cache, use_kl, topk
+        self.cache, self.kl_weight, self.topk = cache, kl_weight, topk
+        self.use_kl = bool(kl_weight)
         self.device = target.device
         self._totals = torch.zeros(len(TOTALS))
 
@@ -201,7 +193,7 @@ class HeadTask:
         loss = 0.0
         for i, (ce, kl, c1, ck, n) in enumerate(per):
             n = max(n, 1.0)
-            loss += ce / n + (kl / n if self.use_kl else 0.0)
+            loss += (ce + self.kl_weight * kl) / n
             fields[f"ce_{i}"] = round(ce / n, 4)
             if self.use_kl:
                 fields[f"kl_{i}"] = round(kl / n, 4)
@@ -225,19 +217,12 @@ def run(args) -> int:
     """Train as the parsed ``train redrafter`` options say; returns the exit code."""
     from accelerate.utils import set_seed
 
-    from ..cli import quiet_loading
-    from ..models import load_target
-
     check_args(args)
     out = Path(args.out)
     accelerator = make_accelerator(cpu=args.device == "cpu", mixed_precision=args.mixed_precision)
     main = accelerator.is_main_process
-    resume_from = latest_checkpoint(out)
-    if resume_from is not None and not args.resume:
-        raise SpecdraftError(f"{out} already holds checkpoints; pass --resume to continue, or use another --out")
-    device = str(accelerator.device) if args.device in ("auto", None) else args.device
-    with quiet_loading():
-        target = load_target(args.target, device, args.dtype, args.trust_remote_code)
+    resume_from = resume_point(out, args.resume)
+    target = load_target_for(args, accelerator)
     examples = load_examples(args.data, target.tokenizer, seq_len=args.seq_len, K=args.future_tokens,
                              eos_ids=target.eos_ids, limit=args.limit, heldout_fraction=args.heldout_fraction)
     if args.kl_weight and "next-k" in examples.describe.get("kinds", []):
@@ -246,34 +231,30 @@ def run(args) -> int:
     plan = Plan(len(examples), args.batch_size, args.grad_accum, accelerator.num_processes, args.epochs,
                 args.max_steps, args.seed)
     set_seed(args.seed)
-    head = build_head(args.arch, target, args.future_tokens, args.head, args.num_blocks, args.init)
-    model = HeadObjective(head, args.future_tokens, args.kl_weight, args.topk)
+    model = HeadObjective(build_head(args.arch, target, args.future_tokens, args.head, args.num_blocks),
+                          args.future_tokens, args.kl_weight, args.topk)
     if not any(p.requires_grad for p in model.parameters()):
         raise SpecdraftError(f"a {args.head} {args.arch} head with {args.num_blocks} blocks has no trainable parameters")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = cosine_schedule(optimizer, plan.total_steps, args.warmup)
+    # The scheduler is stepped by the loop itself (accelerate's wrapper would step it once
+    # per process), and saved as a registered object.
     model, optimizer = accelerator.prepare(model, optimizer)
     state = TrainState(run_signature(args, plan, examples))
     accelerator.register_for_checkpointing(scheduler, state)
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
-    elif args.resume and main:
-        print(f"specdraft: no checkpoint in {out}: starting from scratch", file=sys.stderr)
     cache = open_hidden_cache(args, accelerator, target, examples)
-    task = HeadTask(target, examples, args.future_tokens, cache, use_kl=bool(args.kl_weight), topk=args.topk)
+    task = HeadTask(target, examples, args.future_tokens, cache, kl_weight=args.kl_weight, topk=args.topk)
+    record = run_record(args, plan, examples)
     if main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "train_args.json").write_text(json.dumps(run_record(args, plan, examples), indent=2))
-        print(f"specdraft: training {args.arch} ({args.head} head, K={args.future_tokens}) on "
-              f"{len(examples)} examples, {plan.total_steps} steps"
-              + (f", resuming at step {state.step}" if state.step else ""), file=sys.stderr)
+        announce(args, out, record, plan, state, resumed=resume_from is not None)
     opts = LoopOptions(out=out, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
                        log_every=args.log_every, stop_after_steps=args.stop_after_steps,
                        max_grad_norm=args.max_grad_norm, progress=not args.no_progress)
     finished = train_loop(accelerator, task, model, optimizer, scheduler, plan, state, opts)
-    if finished and main:
-        final = save_final(accelerator.unwrap_model(model).head, out / "final", run_record(args, plan, examples),
-                           state)
+    if main and finished:
+        final = save_final(accelerator.unwrap_model(model).head, out / "final", record, state)
         print(f"specdraft: saved {final} (use --drafter {args.arch}:{final})", file=sys.stderr)
     elif main:
         print(f"specdraft: stopped at step {state.step} of {plan.total_steps}; rerun with --resume to continue",
@@ -281,6 +262,37 @@ def run(args) -> int:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return 0
+
+
+def resume_point(out: Path, resume: bool) -> Path | None:
+    """The checkpoint to resume from; refuses to start over a run that has checkpoints."""
+    latest = latest_checkpoint(out)
+    if latest is not None and not resume:
+        raise SpecdraftError(f"{out} already holds checkpoints; pass --resume to continue, or use another --out")
+    return latest
+
+
+def load_target_for(args, accelerator):
+    """The frozen target on this process's device: under a launcher each process has its
+    own (cuda:<local rank>), so the accelerator decides unless --device cpu."""
+    from ..cli import quiet_loading
+    from ..models import load_target
+
+    device = "cpu" if args.device == "cpu" else str(accelerator.device)
+    if args.device.startswith("cuda") and accelerator.device.type != "cuda":
+        raise SpecdraftError("--device cuda was asked for, but no CUDA device is available")
+    with quiet_loading():
+        return load_target(args.target, device, args.dtype, args.trust_remote_code)
+
+
+def announce(args, out: Path, record: dict, plan: Plan, state: TrainState, resumed: bool) -> None:
+    """Write OUT/train_args.json and say what is about to happen (main process)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_args.json").write_text(json.dumps(record, indent=2, default=str))
+    where = (f", resuming at step {state.step}" if resumed else
+             " (no checkpoint to resume: starting from scratch)" if args.resume else "")
+    print(f"specdraft: training {args.arch} ({args.head} head, K={args.future_tokens}) on {plan.num_examples} "
+          f"examples, {plan.total_steps} steps{where}", file=sys.stderr)
 
 
 def check_args(args) -> None:
@@ -298,16 +310,14 @@ def check_args(args) -> None:
 def run_signature(args, plan: Plan, examples: ExampleSet) -> dict:
     """Everything a resumed run must share with the run it continues."""
     return {**plan.signature(), "data": examples.fingerprint(), "seq_len": args.seq_len, "arch": args.arch,
-            "head": args.head, "K": args.future_tokens, "num_blocks": args.num_blocks, "init": args.init,
-            "epochs": args.epochs,
+            "head": args.head, "K": args.future_tokens, "num_blocks": args.num_blocks, "epochs": args.epochs,
             "max_steps": args.max_steps, "lr": args.lr, "kl_weight": args.kl_weight, "target": args.target}
 
 
 def run_record(args, plan: Plan, examples: ExampleSet) -> dict:
     """What the saved head's config records about its training."""
     options = {k: v for k, v in vars(args).items() if k != "run" and not callable(v)}
-    return {"command": shlex.join(["specdraft", *sys.argv[1:]]) if Path(sys.argv[0]).name != "pytest" else None,
-            "options": options, "data": examples.describe, "plan": describe(plan)}
+    return {"argv": list(sys.argv), "options": options, "data": examples.describe, "plan": describe(plan)}
 
 
 def open_hidden_cache(args, accelerator, target, examples: ExampleSet) -> HiddenCache | None:
