@@ -9,7 +9,6 @@ that a run that fails midway keeps the rows that finished.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
@@ -19,7 +18,7 @@ import pytest
 import torch
 
 from specdraft.bench import metrics
-from specdraft.cli_bench import add_bench, add_sweep
+from specdraft.cli import parse_args
 from specdraft.errors import SpecdraftError
 
 PROMPTS = ["t3 t4 t5 t3 t4", "t7 t8 t9 t7 t8 t9 t7", "t2 t5 t2 t5 t2 t5"]
@@ -36,12 +35,9 @@ def one_thread():
 
 
 def cli(*argv) -> int:
-    """Run a bench/sweep command line in-process (as `specdraft ...` would)."""
-    parser = argparse.ArgumentParser(prog="specdraft")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_bench(sub)
-    add_sweep(sub)
-    args = parser.parse_args([str(a) for a in argv])
+    """Run a bench/sweep command line in-process as `specdraft ...` would, but let
+    SpecdraftError propagate (main() turns it into exit code 2)."""
+    args = parse_args([str(a) for a in argv])
     return args.run(args)
 
 

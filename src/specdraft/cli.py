@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from contextlib import contextmanager
 from typing import Callable, Iterator
@@ -254,9 +255,16 @@ def one_line(message: object) -> str:
     return " ".join(str(message).split())
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parsed arguments; ``command_line`` records them, so reports say how they were made."""
+    args = build_parser().parse_args(argv)
+    args.command_line = shlex.join(["specdraft", *(sys.argv[1:] if argv is None else map(str, argv))])
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return args.run(args)
     except SpecdraftError as e:

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from pathlib import Path
 
@@ -34,14 +33,6 @@ def float_list(text: str) -> list[float]:
 
 def str_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
-
-
-def command_line() -> str:
-    """This process's command line, as a user would type it."""
-    prog = Path(sys.argv[0]).name if sys.argv else ""
-    if prog in ("specdraft", "__main__.py"):
-        return shlex.join(["specdraft", *sys.argv[1:]])
-    return shlex.join(sys.argv)
 
 
 # ---- shared options -----------------------------------------------------------------------
@@ -92,7 +83,7 @@ def base_config(args: argparse.Namespace, **extra):
         out=args.out, datasets=args.dataset, target=args.target, device=args.device, dtype=args.dtype,
         trust_remote_code=args.trust_remote_code, limit=args.limit, top_p=args.top_p, top_k=args.top_k,
         repeats=args.repeats, max_new_tokens=args.max_new_tokens, seed=args.seed, chat=args.chat,
-        resume=args.resume, warmup=args.warmup, progress=args.progress, command=command_line(), **extra)
+        resume=args.resume, warmup=args.warmup, progress=args.progress, command=args.command_line, **extra)
 
 
 def check_device(args: argparse.Namespace) -> None:
