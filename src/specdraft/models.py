@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from . import fastpath
 from .errors import SpecdraftError
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
@@ -113,6 +114,7 @@ class Target:
     name: str
 
     def __post_init__(self):
+        fastpath.small_batch_linear(self.model)
         cfg = self.model.config
         self.config = cfg
         self.base = self.model.base_model  # the decoder stack, ending in the final norm
@@ -157,8 +159,9 @@ class Target:
         attn = self._masks(mask, positions, cache) if self.sliding_window else mask
         if self.mask_by_layer_type and not isinstance(attn, dict):
             attn = {"full_attention": attn}
-        out = self.base(input_ids=tokens, attention_mask=attn, position_ids=positions,
-                        past_key_values=cache, use_cache=True)
+        with fastpath.active():
+            out = self.base(input_ids=tokens, attention_mask=attn, position_ids=positions,
+                            past_key_values=cache, use_cache=True)
         return out.last_hidden_state
 
     def _masks(self, mask: torch.Tensor, positions: torch.Tensor, cache) -> dict:
@@ -170,7 +173,8 @@ class Target:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., d) -> (..., V) float32 logits, as the model's own causal-LM head computes them."""
-        logits = self.head(hidden).float()
+        with fastpath.active():
+            logits = self.head(hidden).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
