@@ -152,10 +152,10 @@ def test_resume_measures_only_missing_rows(first_run, tiny_target_path, prompts_
     out = tmp_path / "resumed"
     shutil.copytree(src, out)
     results = bench(tiny_target_path, prompts_file, out, "--drafters",
-                    f"lookup,hf-ar,hf-lookup,hf-assisted:{tiny_target_path},lookup@2x8",
+                    f"lookup,hf-ar,hf-lookup,hf-assisted:{tiny_target_path},lookup@2x4",
                     "--batch-sizes", "1,2", "--temperatures", "0,1", "--repeats", 2, "--resume")
     old, new = rows_by(before), rows_by(results)
-    assert set(new) - set(old) == {("lookup@2x8", t, b) for t in (0.0, 1.0) for b in (1, 2)}
+    assert set(new) - set(old) == {("lookup@2x4", t, b) for t in (0.0, 1.0) for b in (1, 2)}
     for key, row in old.items():  # untouched: re-measuring would give other timings
         assert new[key] == row
     assert (out / "tau_vs_width.png").read_bytes().startswith(PNG_MAGIC)  # lookup at widths 1 and 2

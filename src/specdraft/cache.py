@@ -89,7 +89,11 @@ class CompactCache(Cache):
         # count write garbage beyond its new length, which the mask hides; they stay inside
         # the step's region, so the buffer is never overrun.
         dst = self.lengths[:, None] + torch.arange(A, device=accepted.device)[None, :]
-        for layer in self.layers:
+        kept = torch.arange(A, device=accepted.device)[None, :] < n_accepted[:, None]
+        # Nothing to move when every kept entry already sits where it belongs (one row with
+        # no padding accepting a prefix of its tree: always so in autoregressive decoding).
+        in_place = bool(((src == dst) | ~kept).all())
+        for layer in ([] if in_place else self.layers):
             if not layer.is_initialized:
                 continue
             for buf in (layer.keys, layer.values):

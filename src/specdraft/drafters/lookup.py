@@ -20,7 +20,7 @@ from .base import DraftContext, Drafter, Proposal
 class LookupDrafter(Drafter):
     name = "lookup"
 
-    def __init__(self, beam_width: int = 1, beam_length: int = 8, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, beam_width: int = 1, beam_length: int = 4, max_ngram: int = 3, min_ngram: int = 1):
         if beam_width < 1 or beam_length < 1:
             raise ValueError("beam width and length must be >= 1")
         self.W, self.L = beam_width, beam_length
