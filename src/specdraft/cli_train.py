@@ -90,9 +90,124 @@ def run_train_redrafter(args: argparse.Namespace) -> int:
     return run(args)
 
 
+# ---- train draft ------------------------------------------------------------------------
+
+
+def add_train_draft(subparsers) -> None:
+    p = subparsers.add_parser(
+        "draft", help="train an independent draft model (a small Llama with the target's vocabulary)",
+        description="Direct alignment of a draft model: --stage pretrain (next-token loss on plain text or "
+                    "ShareGPT), then --stage finetune (distillation from the frozen target on `specdraft distill` "
+                    "responses, --loss fkl|rkl|tvd|tvdpp). Saves a Hugging Face folder usable as --drafter "
+                    "draft:OUT/final. Runs on one CPU or GPU as is; on many GPUs or nodes through `accelerate "
+                    "launch -m specdraft train draft ...`. See docs/draft_model.md.")
+    cli = _shared()
+    cli.add_target_args(p)
+    p.set_defaults(device="auto")
+    p.add_argument("--stage", choices=("pretrain", "finetune"), required=True,
+                   help="pretrain: language modelling on text; finetune: distillation from the target")
+    g = p.add_argument_group("data")
+    g.add_argument("--text", nargs="+", action="extend", metavar="PATH", help="pretrain: text files, folders or "
+                   "globs (HTML reduced to text, .gz decompressed)")
+    g.add_argument("--data", metavar="sharegpt|FILE.json|FILE.jsonl",
+                   help="finetune: a `specdraft distill` responses FILE.jsonl, or ShareGPT (default: sharegpt); "
+                        "pretrain: ShareGPT conversations as text")
+    g.add_argument("--dataset", metavar="NAME[:CONFIG]", help="pretrain: a Hugging Face dataset (needs the "
+                   "optional `datasets` package)")
+    g.add_argument("--dataset-split", default="train", metavar="SPLIT", help="(default: %(default)s)")
+    g.add_argument("--dataset-field", default="text", metavar="FIELD", help="(default: %(default)s)")
+    g.add_argument("--limit", type=int, metavar="N", help="the first N files / conversations / records / rows")
+    g.add_argument("--max-tokens", type=int, metavar="N", help="pretrain: use the first N tokens of the corpus")
+    g.add_argument("--seq-len", type=int, default=1024, metavar="T", help="pretrain: packed sequence length; "
+                   "finetune: truncation (default: %(default)s)")
+    g.add_argument("--heldout-fraction", type=float, default=None, metavar="F",
+                   help="held out for evaluation: packed sequences, distill prompts, ShareGPT groups "
+                        "(default: 0.02)")
+    g.add_argument("--eval-data", metavar="FILE.jsonl|sharegpt|FILE.json",
+                   help="evaluate on these instead (distill responses, or ShareGPT's held-out split)")
+    g.add_argument("--hidden-cache", metavar="DIR", help="finetune: keep the target's hidden states in DIR so "
+                   "later epochs and reruns do not run the target again (same format as train redrafter)")
+    g = p.add_argument_group("draft model")
+    g.add_argument("--draft", metavar="PATH", help="continue this draft folder (e.g. the pretrain stage's "
+                   "OUT/final); otherwise a new draft is built")
+    g.add_argument("--layers", type=int, metavar="N", help="decoder layers (default: 4, fewer if needed)")
+    g.add_argument("--hidden", type=int, metavar="D", help="hidden size (default: the widest within "
+                   "--max-fraction of the target, at most 1024)")
+    g.add_argument("--heads", type=int, metavar="H", help="attention heads (default: hidden / the target's head dim)")
+    g.add_argument("--kv-heads", type=int, metavar="H", help="key/value heads (default: the target's ratio)")
+    g.add_argument("--intermediate", type=int, metavar="N", help="MLP size (default: the target's ratio)")
+    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                   help="one matrix for input embeddings and output layer (default: as the target)")
+    g.add_argument("--max-fraction", type=float, default=0.1, metavar="F",
+                   help="the default size's budget: at most F x the target's parameters (default: %(default)s)")
+    g.add_argument("--init-from-target", action="store_true", help="start from the target's embeddings (projected "
+                   "onto their top principal directions when the draft is narrower)")
+    g.add_argument("--copy-layers", metavar="I,J,...", help="start from these target layers (implies the target's "
+                   "hidden and layer shape, and --init-from-target)")
+    g = p.add_argument_group("loss (finetune)")
+    g.add_argument("--loss", choices=("fkl", "rkl", "tvd", "tvdpp"), default="tvdpp", help="(default: %(default)s)")
+    g.add_argument("--tvdpp-variant", choices=("exact", "sampled", "uniform"), default="exact",
+                   help="how TVD++ normalises its reward (docs/draft_model.md) (default: %(default)s)")
+    g.add_argument("--tvdpp-samples", type=int, default=4, metavar="K", help="sampled variant: tokens drawn "
+                   "from the draft per position (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=1.0, metavar="T", help="both models' softmax "
+                   "temperature in the loss (default: %(default)s)")
+    g.add_argument("--on-policy", action="store_true", help="train on the data's prompts continued by the draft "
+                   "itself (sampled each step), scored by the target, instead of the target's responses")
+    g.add_argument("--on-policy-tokens", type=int, default=128, metavar="N", help="tokens the draft generates "
+                   "per prompt with --on-policy (default: %(default)s)")
+    g.add_argument("--loss-chunk", type=int, default=1024, metavar="N", help="positions whose full-vocabulary "
+                   "distributions are in memory at once (default: %(default)s)")
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--eval-every", type=int, default=200, metavar="N", help="score the held-out set every N "
+                   "steps (at a logged step), before the first and after the last; 0: first and last only "
+                   "(default: %(default)s)")
+    g.add_argument("--eval-examples", type=int, default=64, metavar="N", help="held-out sequences scored "
+                   "(default: %(default)s)")
+    g.add_argument("--gamma", type=int, default=4, metavar="G", help="draft length for the estimated block "
+                   "efficiency and memory-bound speed-up (default: %(default)s)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=int, default=1, help="(default: %(default)s)")
+    g.add_argument("--max-steps", type=int, metavar="N", help="stop after N optimizer steps (the LR schedule "
+                   "spans min(N, epochs))")
+    g.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per process per micro-batch "
+                   "(default: %(default)s)")
+    g.add_argument("--grad-accum", type=int, default=1, metavar="G", help="micro-batches per optimizer step "
+                   "(default: %(default)s)")
+    g.add_argument("--lr", type=float, default=None, help="peak AdamW learning rate (default: 1e-3 pretrain, "
+                   "3e-4 finetune)")
+    g.add_argument("--warmup", type=float, default=0.1, help="warmup fraction of the cosine schedule "
+                   "(default: %(default)s)")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="(default: %(default)s)")
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping (default: %(default)s)")
+    g.add_argument("--mixed-precision", choices=("no", "fp16", "bf16"), default="no",
+                   help="autocast for the draft (the target's dtype is --dtype) (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="initialisation, data order, sampled losses "
+                   "(default: %(default)s)")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", required=True, metavar="DIR", help="checkpoints/, log.jsonl, eval.jsonl and final/ "
+                   "go here")
+    g.add_argument("--save-every", type=int, default=500, metavar="N", help="checkpoint every N steps "
+                   "(default: %(default)s)")
+    g.add_argument("--keep-checkpoints", type=int, default=2, metavar="N", help="(default: %(default)s)")
+    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    g.add_argument("--stop-after-steps", type=int, metavar="N",
+                   help="save a checkpoint and stop after step N, as if interrupted (for time-limited jobs)")
+    g.add_argument("--log-every", type=int, default=10, metavar="N", help="(default: %(default)s)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run_train_draft)
+
+
+def run_train_draft(args: argparse.Namespace) -> int:
+    from .train.draft import run
+
+    return run(args)
+
+
 # name -> function adding ``specdraft train NAME``'s parser to the train subparsers.
 TRAIN_SUBCOMMANDS: dict[str, Callable] = {
     "redrafter": add_train_redrafter,
+    "draft": add_train_draft,
 }
 
 

@@ -8,6 +8,8 @@ and accepted-length histogram, and the engine's stage seconds (engine methods on
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import re
 import time
 from dataclasses import dataclass, field
@@ -43,7 +45,7 @@ class BatchOutcome:
 
 
 @dataclass
-class Method:
+class Method(ABC):
     """A named way of decoding; subclasses implement ``generate``."""
 
     spec: str
@@ -54,8 +56,9 @@ class Method:
         """Why this method cannot run at ``batch_size``, or None if it can."""
         return None
 
+    @abstractmethod
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> BatchOutcome:
-        raise NotImplementedError
+        """Decode ``prompts`` (one batch), timed."""
 
 
 def synchronize(device: torch.device) -> None:

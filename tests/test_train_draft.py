@@ -1,0 +1,272 @@
+"""``specdraft train draft``: the draft's shape and initialisation, pretraining, distillation
+fine-tuning with each loss, exact resumption, DDP, and the saved folder as a drafter (ours
+and transformers' assisted generation). Tiny random target (vocab 16), synthetic data."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specdraft import SamplingParams, SpeculativeEngine, cli
+from specdraft.drafters import NoDrafter
+from specdraft.drafters.draft_model import DraftModelDrafter, parameter_count
+from specdraft.drafters.registry import build_drafter
+from specdraft.train.draft import (DraftShape, TargetFacts, build_draft, choose_shape, embedding_basis,
+                                   load_draft)
+
+PROMPTS = [[1, 4, 5, 1], [1, 9, 3, 8, 2, 1], [1, 7, 1]]
+SMALL = ["--hidden", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "32"]
+
+
+@pytest.fixture(autouse=True)
+def setup():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def cyclic_text(path: Path, lines: int = 60, seed: int = 0) -> Path:
+    """Lines counting through t2..t15 cyclically from a random start: learnable."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        start = rng.randrange(14)
+        out.append(" ".join(f"t{2 + (start + j) % 14}" for j in range(rng.randrange(6, 12))))
+    path.write_text("\n".join(out) + "\n")
+    return path
+
+
+def sharegpt(path: Path, n: int = 16, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    records = [{"id": f"c{i}", "conversations": [
+        {"from": "human", "value": " ".join(f"t{rng.randrange(2, 16)}" for _ in range(rng.randrange(3, 7)))},
+        {"from": "gpt", "value": "t2 t3"}]} for i in range(n)]
+    path.write_text(json.dumps(records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def distilled(tiny_target_path, tmp_path_factory) -> Path:
+    """The tiny target's own answers (T = 0 and 1) to 16 prompts: the fine-tuning data."""
+    root = tmp_path_factory.mktemp("draft-data")
+    out = root / "responses.jsonl"
+    assert cli.main(["distill", "--target", str(tiny_target_path), "--data", str(sharegpt(root / "sg.json")),
+                     "--out", str(out), "--temperatures", "0,1", "--max-new-tokens", "12", "--limit", "16",
+                     "--no-progress"]) == 0
+    return out
+
+
+def train(target_path, out, *extra) -> int:
+    return cli.main(["train", "draft", "--target", str(target_path), "--out", str(out), "--no-progress",
+                     "--batch-size", "4", *extra])
+
+
+def entries(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def greedy(target, drafter):
+    params = SamplingParams(max_new_tokens=16)
+    return [r.token_ids for r in SpeculativeEngine(target, drafter).generate(PROMPTS, params)]
+
+
+# ---- shape and initialisation ----------------------------------------------------------------
+
+
+def test_default_shape_is_within_ten_percent_of_the_target():
+    smol = TargetFacts(vocab=49152, hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, tied=True,
+                       parameters=134_515_008)
+    shape, how = choose_shape(smol)
+    assert shape == DraftShape(layers=4, hidden=192, heads=3, kv_heads=1, head_dim=64, intermediate=512,
+                               tie_embeddings=True)
+    assert shape.parameters(smol.vocab) == 11_011_776 and "default" in how  # 8.2% of SmolLM2-135M
+    llama7b = TargetFacts(vocab=32000, hidden=4096, heads=32, kv_heads=32, head_dim=128, intermediate=11008,
+                          tied=False, parameters=6_738_415_616)
+    shape, _ = choose_shape(llama7b)  # the paper's ~115M drafter: 4 layers, hidden 1024, 8 heads, MLP 2816
+    assert (shape.layers, shape.hidden, shape.heads, shape.intermediate, shape.tie_embeddings) == (4, 1024, 8, 2816,
+                                                                                                  False)
+    assert shape.parameters(llama7b.vocab) < 0.02 * llama7b.parameters
+    assert choose_shape(smol, layers=2)[0].hidden == 192  # 256 would be 14.2M (10.5%)
+    assert choose_shape(smol, max_fraction=0.3)[0].hidden == 512
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_built_draft_is_a_llama_with_the_counted_parameters(tiny_target, tie):
+    facts = TargetFacts.of(tiny_target)
+    assert facts.parameters == parameter_count(tiny_target.model) and not facts.tied
+    shape, _ = choose_shape(facts, hidden=16, layers=2, tie=tie)
+    draft = build_draft(tiny_target, shape, from_target=True)
+    assert type(draft).__name__ == "LlamaForCausalLM"
+    assert parameter_count(draft) == shape.parameters(facts.vocab)
+    assert draft.config.vocab_size == 16 and draft.config.eos_token_id == 0
+    basis = embedding_basis(torch.cat([tiny_target.model.get_input_embeddings().weight,
+                                       tiny_target.head.weight]).float(), 16)
+    torch.testing.assert_close(basis.T @ basis, torch.eye(16), atol=1e-5, rtol=0)
+    torch.testing.assert_close(draft.get_output_embeddings().weight, tiny_target.head.weight @ basis)
+
+
+def test_copying_every_layer_reproduces_the_target(tiny_target):
+    facts = TargetFacts.of(tiny_target)
+    shape, _ = choose_shape(facts, copy_layers=[0, 1])
+    assert (shape.hidden, shape.layers, shape.intermediate) == (32, 2, 64)
+    draft = build_draft(tiny_target, shape, copy_layers=[0, 1])
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(draft(ids).logits, tiny_target.model(ids).logits)
+    drafter = DraftModelDrafter(draft, gamma=3, tokenizer=tiny_target.tokenizer)
+    assert greedy(tiny_target, drafter) == greedy(tiny_target, NoDrafter())
+
+
+# ---- pretraining ------------------------------------------------------------------------------
+
+
+def test_pretrain_lowers_the_lm_loss_and_saves_a_hf_draft(tiny_target_path, tiny_target, distilled, tmp_path):
+    text = cyclic_text(tmp_path / "corpus.txt")
+    out = tmp_path / "pre"
+    assert train(tiny_target_path, out, "--stage", "pretrain", "--text", str(text), "--seq-len", "16",
+                 "--epochs", "8", "--lr", "1e-2", "--log-every", "4", "--eval-every", "20", *SMALL) == 0
+    log = entries(out / "log.jsonl")
+    assert log[-1]["loss"] < 0.6 * log[0]["loss"] and log[-1]["acc1"] > log[0]["acc1"]
+    evals = entries(out / "eval.jsonl")
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == log[-1]["step"]
+    assert evals[-1]["eval_ce"] < evals[0]["eval_ce"]
+    assert {"eval_accept", "eval_tau", "eval_mbsu", "eval_greedy_accept"} <= set(evals[-1])
+    final = out / "final"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "specdraft.json"} <= {p.name for p in final.iterdir()}
+    meta = json.loads((final / "specdraft.json").read_text())
+    assert meta["stages"][0]["stage"] == "pretrain" and meta["stages"][0]["data"]["text"]["files"] == 1
+    drafter = build_drafter(f"draft:{final}", tiny_target)
+    assert greedy(tiny_target, drafter) == greedy(tiny_target, NoDrafter())
+    # the next stage continues this folder and records both stages
+    ft = tmp_path / "ft"
+    assert train(tiny_target_path, ft, "--stage", "finetune", "--data", str(distilled), "--draft", str(final),
+                 "--max-steps", "2") == 0
+    meta = json.loads((ft / "final" / "specdraft.json").read_text())
+    assert [s["stage"] for s in meta["stages"]] == ["pretrain", "finetune"] and meta["init"]["source"] == str(final)
+
+
+# ---- fine-tuning --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss, variant", [("fkl", "exact"), ("rkl", "exact"), ("tvd", "exact"),
+                                           ("tvdpp", "exact"), ("tvdpp", "sampled"), ("tvdpp", "uniform")])
+def test_finetune_lowers_the_loss_and_raises_heldout_acceptance(tiny_target_path, distilled, tmp_path, loss, variant):
+    out = tmp_path / "ft"
+    assert train(tiny_target_path, out, "--stage", "finetune", "--data", str(distilled), "--loss", loss,
+                 "--tvdpp-variant", variant, "--heldout-fraction", "0.25", "--epochs", "12", "--lr", "2e-2",
+                 "--log-every", "3", "--eval-every", "0", *SMALL) == 0
+    log = entries(out / "log.jsonl")
+    assert log[-1]["loss"] < 0.8 * log[0]["loss"]
+    evals = entries(out / "eval.jsonl")
+    assert len(evals) == 2 and evals[-1]["eval_accept"] > evals[0]["eval_accept"] + 0.05
+    config = json.loads((out / "final" / "specdraft.json").read_text())
+    assert config["stages"][-1]["loss"] == loss and config["stages"][-1]["data"]["source"] == "distill"
+    assert config["stages"][-1]["data"]["heldout_records"] > 0
+
+
+def test_on_policy_finetune(tiny_target_path, distilled, tmp_path):
+    """Prompts continued by the draft itself, scored by the target."""
+    out = tmp_path / "onp"
+    assert train(tiny_target_path, out, "--stage", "finetune", "--data", str(distilled), "--loss", "fkl",
+                 "--on-policy", "--on-policy-tokens", "8", "--heldout-fraction", "0.25", "--epochs", "10",
+                 "--lr", "2e-2", "--log-every", "3", "--eval-every", "0", *SMALL) == 0
+    log = entries(out / "log.jsonl")
+    assert log[-1]["loss"] < 0.8 * log[0]["loss"] and all(e["positions"] > 0 for e in log)
+    evals = entries(out / "eval.jsonl")
+    assert evals[-1]["eval_accept"] > evals[0]["eval_accept"] + 0.05
+    assert json.loads((out / "final" / "specdraft.json").read_text())["stages"][-1]["on_policy"] is True
+    assert train(tiny_target_path, tmp_path / "x", "--stage", "finetune", "--data", str(distilled), "--on-policy",
+                 "--hidden-cache", str(tmp_path / "c")) == 2
+
+
+def test_resumed_run_equals_an_uninterrupted_one(tiny_target_path, distilled, tmp_path):
+    common = ["--stage", "finetune", "--data", str(distilled), "--loss", "tvdpp", "--tvdpp-variant", "sampled",
+              "--epochs", "3", "--grad-accum", "2", "--save-every", "2", "--log-every", "1", "--eval-every", "2",
+              "--init-from-target", *SMALL]
+    assert train(tiny_target_path, tmp_path / "a", *common, "--hidden-cache", str(tmp_path / "ca")) == 0
+    assert train(tiny_target_path, tmp_path / "b", *common, "--hidden-cache", str(tmp_path / "cb"),
+                 "--stop-after-steps", "3") == 0
+    assert not (tmp_path / "b" / "final").exists()
+    assert train(tiny_target_path, tmp_path / "b", *common, "--hidden-cache", str(tmp_path / "cb"), "--resume") == 0
+    a, b = (load_file(tmp_path / x / "final" / "model.safetensors") for x in "ab")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    strip = lambda es: [{k: v for k, v in e.items() if "per_s" not in k and k != "seconds"} for e in es]  # noqa: E731
+    assert strip(entries(tmp_path / "a" / "log.jsonl")) == strip(entries(tmp_path / "b" / "log.jsonl"))
+    assert entries(tmp_path / "a" / "eval.jsonl") == entries(tmp_path / "b" / "eval.jsonl")
+
+
+def test_saved_draft_is_a_transformers_assistant_model(tiny_target_path, tiny_target, distilled, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "ft"
+    assert train(tiny_target_path, out, "--stage", "finetune", "--data", str(distilled), "--max-steps", "3",
+                 "--loss", "fkl", *SMALL) == 0
+    draft, meta = load_draft(out / "final", tiny_target)
+    assert meta["kind"] == "draft-model" and meta["target"]["vocab_size"] == 16
+    target = AutoModelForCausalLM.from_pretrained(str(tiny_target_path))
+    assistant = AutoModelForCausalLM.from_pretrained(str(out / "final"))
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12, pad_token_id=0,
+                  eos_token_id=0)
+        assert torch.equal(target.generate(ids, **kw), target.generate(ids, assistant_model=assistant, **kw))
+    drafter = DraftModelDrafter.load(out / "final", tiny_target, gamma=3)
+    assert greedy(tiny_target, drafter) == greedy(tiny_target, NoDrafter())
+
+
+def test_refusals(tiny_target_path, distilled, tmp_path, capsys):
+    nextk = tmp_path / "nextk.jsonl"
+    nextk.write_text(json.dumps({"kind": "next-k", "prompt_id": "a", "input_ids": [1, 2], "positions": [0],
+                                 "chains": [[2, 3]], "k": 1}) + "\n")
+    assert train(tiny_target_path, tmp_path / "x", "--stage", "finetune", "--data", str(nextk)) == 2
+    assert "responses" in capsys.readouterr().err
+    assert train(tiny_target_path, tmp_path / "x", "--stage", "pretrain") == 2
+    assert "--text" in capsys.readouterr().err
+    assert train(tiny_target_path, tmp_path / "x", "--stage", "finetune", "--data", str(distilled),
+                 "--draft", str(tiny_target_path), "--hidden", "16") == 2
+    assert train(tiny_target_path, tmp_path / "x", "--stage", "finetune", "--data", str(distilled),
+                 "--copy-layers", "0,7") == 2
+    assert "no layer 7" in capsys.readouterr().err
+    out = tmp_path / "run"
+    assert train(tiny_target_path, out, "--stage", "finetune", "--data", str(distilled), "--max-steps", "1",
+                 *SMALL) == 0
+    capsys.readouterr()
+    assert train(tiny_target_path, out, "--stage", "finetune", "--data", str(distilled), "--max-steps", "1",
+                 *SMALL) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert train(tiny_target_path, out, "--stage", "finetune", "--data", str(distilled), "--max-steps", "1",
+                 "--resume", "--loss", "fkl", *SMALL) == 2
+    assert "loss" in capsys.readouterr().err
+
+
+# ---- two processes ------------------------------------------------------------------------------
+
+
+def test_two_process_launch_with_accelerate(tiny_target_path, tiny_target, distilled, tmp_path):
+    accelerate = Path(sys.executable).parent / "accelerate"
+    out = tmp_path / "ddp"
+    cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0", "-m", "specdraft",
+           "train", "draft", "--stage", "finetune", "--target", str(tiny_target_path), "--data", str(distilled),
+           "--out", str(out), "--device", "cpu", "--batch-size", "2", "--epochs", "2", "--save-every", "3",
+           "--heldout-fraction", "0.25", "--no-progress", *SMALL]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = entries(out / "log.jsonl")
+    args = json.loads((out / "train_args.json").read_text())
+    assert log[-1]["step"] == 2 * -(-args["data"]["records"] // 4)  # 2 epochs, 2 processes x 2 sequences
+    assert entries(out / "eval.jsonl")[-1]["eval_positions"] > 0
+    checkpoint = sorted((out / "checkpoints").iterdir())[-1]
+    assert {"random_states_0.pkl", "random_states_1.pkl", "COMPLETE"} <= {p.name for p in checkpoint.iterdir()}
+    drafter = build_drafter(f"draft:{out / 'final'}", tiny_target)
+    assert greedy(tiny_target, drafter) == greedy(tiny_target, NoDrafter())
