@@ -214,7 +214,8 @@ def test_sampling_matches_target_distribution(tiny6, temperature, beam_width):
     params = [SamplingParams(max_new_tokens=n_tokens, temperature=temperature, top_p=0.9, seed=i,
                              ignore_eos=True) for i in range(n_rows)]
     drafter = DraftModelDrafter.load(draft_path, target, gamma=3, beam_width=beam_width)
-    results = SpeculativeEngine(target, drafter).generate([prompt] * n_rows, params)
+    # Thousands of rows in one batch: no tree-token cap, or nothing would be drafted.
+    results = SpeculativeEngine(target, drafter, max_tree_tokens=None).generate([prompt] * n_rows, params)
     V = target.vocab_size
     index = torch.tensor([sum(t * V ** (n_tokens - 1 - j) for j, t in enumerate(r.token_ids))
                           for r in results])

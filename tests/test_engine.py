@@ -155,3 +155,24 @@ def test_seed_makes_sampling_reproducible(tiny_target):
     b = engine.generate([PROMPTS[0]], params)[0].token_ids
     c = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=20, temperature=1.0, seed=12, ignore_eos=True))[0].token_ids
     assert a == b and a != c
+
+
+def test_tree_token_cap_shares_drafts_between_rows(tiny_target):
+    """With max_tree_tokens=8 and 4 rows, each row drafts at most 1 token (2 with g0);
+    with one row it may use its whole beam. Output is unchanged either way."""
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    want = reference(tiny_target, PROMPTS, params)
+    engine = SpeculativeEngine(tiny_target, RandomBeamsDrafter(16, beam_width=1, beam_length=6, seed=2),
+                               max_tree_tokens=8)
+    results = engine.generate(PROMPTS, params)
+    assert [r.token_ids for r in results] == want
+    for r in results:  # drafted depth per step never exceeds the share of the rows still running
+        assert max(r.drafted_hist) <= 8 // 1 - 1
+    assert max(results[0].drafted_hist) <= 1  # row 0 finished while all four rows were running
+    alone = engine.generate([PROMPTS[0]], params)[0]
+    assert max(alone.drafted_hist) == 5  # one row: the full beam (L - 1 drafted tokens) fits
+
+
+def test_tree_token_cap_defaults_by_device(tiny_target):
+    assert SpeculativeEngine(tiny_target, NoDrafter()).max_tree_tokens == 32  # CPU
+    assert SpeculativeEngine(tiny_target, NoDrafter(), max_tree_tokens=None).max_tree_tokens is None

@@ -151,7 +151,8 @@ class PointMassAsSampledDrafter(OracleBeamsDrafter):
 
 def run_rows(target, drafter, prompts, params_list):
     with torch.no_grad():
-        results = SpeculativeEngine(target, drafter).generate(prompts, params_list)
+        # Thousands of rows in one batch: no tree-token cap, or nothing would be drafted.
+        results = SpeculativeEngine(target, drafter, max_tree_tokens=None).generate(prompts, params_list)
     return [tuple(r.token_ids) for r in results], results
 
 

@@ -45,6 +45,18 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
                    help="allow the model's own Python code from its folder or hub repo to run")
 
 
+def _tree_cap(text: str) -> int | None | str:
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, 'auto' or 'none', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_drafter_args(parser: argparse.ArgumentParser) -> None:
     """--drafter and the shape of its proposals."""
     g = parser.add_argument_group("drafter")
@@ -52,6 +64,9 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
                    help="where candidate tokens come from: none (plain decoding), lookup (prompt "
                         "n-gram lookup), a trained recurrent drafter or a small draft model "
                         "(checkpoint folders) (default: %(default)s)")
+    g.add_argument("--max-tree-tokens", type=_tree_cap, default="auto", metavar="N|auto|none",
+                   help="most tokens one verify step may hold over the whole batch, shared by its rows: "
+                        "keeps speculation from slowing large batches (auto: 32 on CPU, no cap on GPU)")
     g.add_argument("--beam-width", type=int, metavar="W", help="candidate beams per step (drafter default if unset)")
     g.add_argument("--beam-length", type=int, metavar="L", help="tokens per beam, g0 included (drafter default if unset)")
     g.add_argument("--gamma", type=int, metavar="G", help="tokens a draft model drafts per step (draft: only)")
@@ -118,7 +133,7 @@ def load_engine(args: argparse.Namespace):
     with quiet_loading():
         target = load_target(args.target, args.device, args.dtype, args.trust_remote_code)
         drafter = build_drafter(args.drafter, target, args.beam_width, args.beam_length, args.gamma)
-    return SpeculativeEngine(target, drafter)
+    return SpeculativeEngine(target, drafter, max_tree_tokens=getattr(args, "max_tree_tokens", "auto"))
 
 
 # ---- generate ---------------------------------------------------------------------------
