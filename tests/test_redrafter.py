@@ -375,3 +375,17 @@ def test_export_trtllm_layout(tiny_target, tmp_path, variant):
 def test_export_refuses_medusa(tiny_target, tmp_path):
     with pytest.raises(SpecdraftError, match="expected a 'redrafter'"):
         export_trtllm(MedusaHeads.for_target(tiny_target).save(tmp_path / "m"), tmp_path / "out")
+
+
+def test_export_command_line(tiny_target, tiny_target_path, tmp_path, capsys):
+    """`specdraft export trtllm` writes the layout; a bad checkpoint is a one-line error."""
+    from specdraft.cli import main
+
+    ck = ReDrafterHead.for_target(tiny_target, head="shared").save(tmp_path / "ck")
+    assert main(["export", "trtllm", "--drafter", str(ck), "--target", str(tiny_target_path),
+                 "--out", str(tmp_path / "trt")]) == 0
+    config = json.loads((tmp_path / "trt" / "config.json").read_text())
+    assert config["rnn"] is True and config["vocab_size"] == tiny_target.vocab_size
+    capsys.readouterr()
+    assert main(["export", "trtllm", "--drafter", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err.strip().startswith("specdraft: error:")

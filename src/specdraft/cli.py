@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 
 from . import __version__
 from .cli_bench import add_bench, add_sweep
+from .cli_export import add_export
 from .cli_serve import add_serve
 from .cli_train import add_distill, add_train
 from .errors import SpecdraftError
@@ -252,6 +253,7 @@ SUBCOMMANDS: dict[str, Callable] = {
     "serve": add_serve,
     "train": add_train,
     "distill": add_distill,
+    "export": add_export,
 }
 
 
