@@ -40,6 +40,16 @@ def make_tiny_llama(path: Path, vocab_size: int = 16, seed: int = 0, **overrides
     return path
 
 
+@pytest.fixture(autouse=True)
+def torch_threads(request):
+    """Tiny models run fastest on one thread (per-op overhead dominates; more threads only
+    contend). Tests of the real SmolLM2 target get every core."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, os.cpu_count() or 1) if "smol" in request.fixturenames else 1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_target_path(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama")
@@ -53,5 +63,4 @@ def tiny_target(tiny_target_path) -> Target:
 @pytest.fixture(scope="session")
 def smol() -> Target:
     """The real default target (fp32, CPU)."""
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
     return load_target("default")

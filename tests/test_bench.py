@@ -15,7 +15,6 @@ import statistics
 from pathlib import Path
 
 import pytest
-import torch
 
 from specdraft.bench import metrics
 from specdraft.cli import parse_args
@@ -23,15 +22,6 @@ from specdraft.errors import SpecdraftError
 
 PROMPTS = ["t3 t4 t5 t3 t4", "t7 t8 t9 t7 t8 t9 t7", "t2 t5 t2 t5 t2 t5"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Timings are not checked; one thread keeps the shared CPU free for others.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def cli(*argv) -> int:

@@ -9,7 +9,6 @@ import itertools
 import json
 
 import pytest
-import torch
 
 from specdraft.data import (IGNORE, JsonlAppender, encode_conversation, encode_prompt, first_turn,
                             iter_conversations, iter_json_array, iter_records, normalise, read_records,
@@ -17,14 +16,6 @@ from specdraft.data import (IGNORE, JsonlAppender, encode_conversation, encode_p
 from specdraft.data.sharegpt import StreamStats
 from specdraft.errors import SpecdraftError
 from conftest import make_tiny_tokenizer
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def record(cid, *turns):

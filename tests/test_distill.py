@@ -10,23 +10,11 @@ import pytest
 import torch
 
 from specdraft import cli
-from specdraft.cli_train import add_distill, add_train
 from specdraft.data import encode_conversation, encode_prompt, first_turn, iter_conversations
 from specdraft.distill import chain_positions, greedy_chains
 from specdraft.drafters import NoDrafter
 from specdraft.engine import SpeculativeEngine
 from specdraft.sampling import SamplingParams
-
-
-@pytest.fixture(autouse=True)
-def setup(monkeypatch):
-    """One thread (shared CPU); the subcommands registered whether or not cli.py lists them yet."""
-    monkeypatch.setitem(cli.SUBCOMMANDS, "train", cli.SUBCOMMANDS.get("train", add_train))
-    monkeypatch.setitem(cli.SUBCOMMANDS, "distill", cli.SUBCOMMANDS.get("distill", add_distill))
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny_sharegpt(path, n=12, seed=0):

@@ -22,16 +22,6 @@ SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_atte
              num_key_value_heads=1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models are dominated by per-op overhead: extra threads only contend (the CPU
-    is shared), and one thread is several times faster here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _noisy_copy(src, dst, vocab_size, scale, seed):
     """A draft that is the target with Gaussian noise (scale x each matrix's std) added to
     its weight matrices: its drafts are accepted sometimes, at every depth."""

@@ -14,15 +14,6 @@ from specdraft.errors import SpecdraftError
 PROMPTS = [[3, 4, 5, 3, 4], [5, 6, 7, 8, 9, 10, 11], [2, 3], [7, 7, 7, 8]]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # The tiny model is too small to gain from threads; one thread avoids oversubscription.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def reference(target, prompts, params):
     return [r.token_ids for r in SpeculativeEngine(target, NoDrafter()).generate(prompts, params)]
 

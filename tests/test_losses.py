@@ -11,14 +11,6 @@ from specdraft.train.losses import (LOSSES, TVDPP_EPS, TVDPP_VARIANTS, acceptanc
                                     kd_loss, reverse_kl, total_variation, tvd, tvdpp)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def logits_pair(N=6, V=11, seed=0, sharp=3.0):
     g = torch.Generator().manual_seed(seed)
     zp = torch.randn(N, V, generator=g, dtype=torch.float64) * sharp

@@ -34,7 +34,6 @@ def tiny_gemma(tmp_path_factory):
 
 
 def test_gemma3_sliding_window_parity(tiny_gemma):
-    torch.set_num_threads(1)
     assert tiny_gemma.sliding_window == 6  # the window is much shorter than the sequences below
     prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 3, 4, 5], [5, 6, 7, 5, 6]]
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)

@@ -25,15 +25,6 @@ from conftest import make_tiny_llama
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [3]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread (and the test machine's cores are shared)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_head(target, head="own", seed=0, **kw) -> ReDrafterHead:
     torch.manual_seed(seed)
     return ReDrafterHead.for_target(target, head=head, **kw).eval().requires_grad_(False)

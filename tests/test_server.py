@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 import pytest
-import torch
 
 import openai  # the official client: tests speak to the server exactly as users do
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -45,15 +44,6 @@ MODEL = "tiny"
 # The tiny tokenizer is word-level (t0..t15, t0 = EOS): a template joining the messages'
 # contents and ending with t2 as the "assistant turn" marker.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}t2{% endif %}"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The machine is shared: one intra-op thread per process keeps runs short."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ---- a live server ----------------------------------------------------------------------------
@@ -591,7 +581,6 @@ def test_serve_command_drains_on_sigterm(tiny_target_path):
 
 @pytest.mark.slow
 def test_smollm2_chat(smol):
-    torch.set_num_threads(1)
     question = "What is the capital of France?"
     want = reference(smol, smol.encode_prompt(question, chat=True), 8)
     with live_server(smol, model_name="SmolLM2-135M-Instruct", api_key=None) as srv:

@@ -26,14 +26,6 @@ PROMPTS = [[1, 4, 5, 1], [1, 9, 3, 8, 2, 1], [1, 7, 1]]
 SMALL = ["--hidden", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "32"]
 
 
-@pytest.fixture(autouse=True)
-def setup():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def cyclic_text(path: Path, lines: int = 60, seed: int = 0) -> Path:
     """Lines counting through t2..t15 cyclically from a random start: learnable."""
     rng = random.Random(seed)
@@ -129,6 +121,31 @@ def test_copying_every_layer_reproduces_the_target(tiny_target):
 # ---- pretraining ------------------------------------------------------------------------------
 
 
+def test_text_corpora_files_html_gz_and_packing(tmp_path):
+    import gzip
+
+    from specdraft.data.text import expand_paths, html_to_text, iter_file_documents, pack, read_document
+
+    root = tmp_path / "docs"
+    (root / "sub").mkdir(parents=True)
+    (root / "a.txt").write_text("t2 t3\n")
+    (root / "sub" / "b.html").write_text("<html><head><title>x</title><style>p{}</style></head><body>"
+                                         "<h1>Title</h1><p>one &amp; two\n three</p><script>no()</script>"
+                                         "<pre>  keep\n   indent</pre></body></html>")
+    (root / "sub" / "c.1.gz").write_bytes(gzip.compress(b"man page\n"))
+    (root / "d.bin").write_bytes(b"\0\1\2")
+    (root / "e.png").write_bytes(b"\x89PNG")
+    files = expand_paths([str(root)])
+    assert [p.relative_to(root).as_posix() for p in files] == ["a.txt", "sub/b.html", "sub/c.1.gz"]
+    assert expand_paths([str(root / "**" / "*.html"), str(root / "sub" / "b.html")]) == [root / "sub" / "b.html"]
+    text = html_to_text((root / "sub" / "b.html").read_text())
+    assert "Title" in text and "one & two three" in text and "  keep\n   indent" in text
+    assert "no()" not in text and "p{}" not in text and "x" not in text.split()
+    assert read_document(root / "sub" / "c.1.gz") == "man page\n" and read_document(root / "d.bin") is None
+    assert [name for name, _ in iter_file_documents(files)] == [str(p) for p in files]
+    assert pack(list(range(10)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
 def test_pretrain_lowers_the_lm_loss_and_saves_a_hf_draft(tiny_target_path, tiny_target, distilled, tmp_path):
     text = cyclic_text(tmp_path / "corpus.txt")
     out = tmp_path / "pre"
@@ -191,7 +208,7 @@ def test_on_policy_finetune(tiny_target_path, distilled, tmp_path):
 def test_resumed_run_equals_an_uninterrupted_one(tiny_target_path, distilled, tmp_path):
     common = ["--stage", "finetune", "--data", str(distilled), "--loss", "tvdpp", "--tvdpp-variant", "sampled",
               "--epochs", "3", "--grad-accum", "2", "--save-every", "2", "--log-every", "1", "--eval-every", "2",
-              "--init-from-target", *SMALL]
+              "--init-from-target", "--tie-embeddings", *SMALL]
     assert train(tiny_target_path, tmp_path / "a", *common, "--hidden-cache", str(tmp_path / "ca")) == 0
     assert train(tiny_target_path, tmp_path / "b", *common, "--hidden-cache", str(tmp_path / "cb"),
                  "--stop-after-steps", "3") == 0

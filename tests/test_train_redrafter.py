@@ -27,15 +27,6 @@ from specdraft.train.redrafter import HeadObjective
 PROMPTS = [[1, 4, 5, 1], [1, 9, 3, 8, 2, 1], [1, 7, 1]]
 
 
-@pytest.fixture(autouse=True)
-def setup(monkeypatch):
-    """One thread: the tiny model gains nothing from more, and a shared CPU loses a lot."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def cyclic_sharegpt(path: Path, n: int = 24, seed: int = 0) -> Path:
     """Conversations whose answers count through t2..t15 cyclically from a random start:
     learnable from the fed tokens, so a head's loss can fall quickly."""

@@ -219,11 +219,33 @@ def embedding_basis(weights: torch.Tensor, d: int) -> torch.Tensor:
 
 
 @torch.no_grad()
+def calibrate_output_scale(draft, rows: int = 256) -> float:
+    """Set the draft's final norm weight to one constant c such that, with the residual
+    stream equal to a token's input embedding (the freshly initialised draft, whose random
+    layers add little), the logits have standard deviation 1 over the vocabulary (averaged
+    over ``rows`` evenly spaced tokens). The target's vocabulary matrix with a unit norm
+    weight gives large, confident and wrong first predictions (SmolLM2: CE ≈ 28 nats
+    instead of ln V ≈ 10.8); at std 1 the start is near uniform yet keeps the target's
+    token similarities. Returns c."""
+    E = draft.get_input_embeddings().weight.float()
+    H = draft.get_output_embeddings().weight.float()
+    ids = torch.linspace(0, E.shape[0] - 1, min(rows, E.shape[0])).round().long()
+    x = E[ids]
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)  # RMSNorm with weight 1
+    spread = (h @ H.T).std(dim=-1).mean().item()
+    scale = 1.0 / spread if spread > 0 else 1.0
+    draft.base_model.norm.weight.fill_(scale)
+    return scale
+
+
+@torch.no_grad()
 def init_from_target(draft, target, facts: TargetFacts, copy_layers: list[int] | None = None) -> None:
     """Copy the target's embeddings (and LM head if untied) into ``draft``: exactly when the
-    hidden sizes match (and the final norm too), else projected onto the top-d subspace of
-    the target's vocabulary matrices (E·P, P from ``embedding_basis``), so E_d E_dᵀ ≈ E Eᵀ.
-    Then copy the target's layers ``copy_layers`` into the draft's layers 0, 1, ..."""
+    hidden sizes match, else projected onto the top-d subspace of the target's vocabulary
+    matrices (E·P, P from ``embedding_basis``), so E_d E_dᵀ ≈ E Eᵀ. With ``copy_layers``,
+    copy those target layers into the draft's layers 0, 1, ... and the target's final norm;
+    without, scale the final norm for near-uniform first predictions
+    (``calibrate_output_scale``)."""
     d = draft.config.hidden_size
     E = target.model.get_input_embeddings().weight.detach().float().cpu()
     H = target.head.weight.detach().float().cpu()
@@ -240,8 +262,10 @@ def init_from_target(draft, target, facts: TargetFacts, copy_layers: list[int] |
         draft.get_input_embeddings().weight.copy_(project(E))
         draft.get_output_embeddings().weight.copy_(project(H))
     norm = getattr(target.base, "norm", None)
-    if d == facts.hidden and norm is not None and getattr(norm, "weight", None) is not None:
+    if copy_layers and d == facts.hidden and norm is not None and getattr(norm, "weight", None) is not None:
         draft.base_model.norm.weight.copy_(norm.weight.detach().float())
+    else:
+        calibrate_output_scale(draft)
     source = getattr(target.base, "layers", None)
     for i, j in enumerate(copy_layers or []):
         if source is None or not 0 <= j < len(source):
@@ -313,9 +337,12 @@ def save_draft(draft, tokenizer, folder: Path, meta: dict) -> Path:
     tokenizer files, and ``specdraft.json`` (``meta``)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    from ..cli import quiet_loading
+
     draft.config.architectures = [type(draft).__name__]
-    draft.save_pretrained(str(folder), safe_serialization=True)
-    tokenizer.save_pretrained(str(folder))
+    with quiet_loading():
+        draft.save_pretrained(str(folder), safe_serialization=True)
+        tokenizer.save_pretrained(str(folder))
     (folder / SPECDRAFT_FILE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
     return folder
 
