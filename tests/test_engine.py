@@ -165,5 +165,5 @@ def test_tree_token_cap_shares_drafts_between_rows(tiny_target):
 
 
 def test_tree_token_cap_defaults_by_device(tiny_target):
-    assert SpeculativeEngine(tiny_target, NoDrafter()).max_tree_tokens == 32  # CPU
+    assert SpeculativeEngine(tiny_target, NoDrafter()).max_tree_tokens == 8  # CPU
     assert SpeculativeEngine(tiny_target, NoDrafter(), max_tree_tokens=None).max_tree_tokens is None

@@ -67,7 +67,7 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
                         "(checkpoint folders) (default: %(default)s)")
     g.add_argument("--max-tree-tokens", type=_tree_cap, default="auto", metavar="N|auto|none",
                    help="most tokens one verify step may hold over the whole batch, shared by its rows: "
-                        "keeps speculation from slowing large batches (auto: 32 on CPU, no cap on GPU)")
+                        "keeps speculation from slowing large batches (auto: 8 on CPU, no cap on GPU)")
     g.add_argument("--beam-width", type=int, metavar="W", help="candidate beams per step (drafter default if unset)")
     g.add_argument("--beam-length", type=int, metavar="L", help="tokens per beam, g0 included (drafter default if unset)")
     g.add_argument("--gamma", type=int, metavar="G", help="tokens a draft model drafts per step (draft: only)")
