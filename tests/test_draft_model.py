@@ -73,7 +73,7 @@ def test_greedy_matches_autoregressive(tiny, which, beam_width):
     # so (row 1 stops after 4 tokens); row 3 ignores EOS and runs on.
     params = [SamplingParams(max_new_tokens=m, ignore_eos=i == 3) for i, m in enumerate((40, 13, 27, 40))]
     base = SpeculativeEngine(target, NoDrafter()).generate(prompts, params)
-    spec = SpeculativeEngine(target, drafter).generate(prompts, params)
+    spec = SpeculativeEngine(target, drafter, max_tree_tokens=None).generate(prompts, params)
     for prompt, p, b, s in zip(prompts, params, base, spec):
         assert s.token_ids == b.token_ids
         assert s.finish_reason == b.finish_reason
@@ -82,7 +82,7 @@ def test_greedy_matches_autoregressive(tiny, which, beam_width):
     if which == "noisy":  # partial acceptance really happened, at several depths
         gains = {k for r in spec for k in r.accepted_hist}
         assert len(gains) >= 3, gains
-    alone = SpeculativeEngine(target, drafter).generate(prompts[:1], params[0])  # batch 1
+    alone = SpeculativeEngine(target, drafter, max_tree_tokens=None).generate(prompts[:1], params[0])  # batch 1
     assert alone[0].token_ids == base[0].token_ids
 
 
@@ -94,7 +94,7 @@ def test_mixed_batch_is_reproducible(tiny):
     params = [SamplingParams(max_new_tokens=24, temperature=t, top_p=0.9, seed=10 + i, ignore_eos=True)
               for i, t in enumerate((0.0, 0.8, 0.0, 1.0))]
     base = SpeculativeEngine(target, NoDrafter()).generate(prompts, params)
-    runs = [SpeculativeEngine(target, DraftModelDrafter.load(drafts["noisy"], target, gamma=3)).generate(prompts, params)
+    runs = [SpeculativeEngine(target, DraftModelDrafter.load(drafts["noisy"], target, gamma=3), max_tree_tokens=None).generate(prompts, params)
             for _ in range(2)]
     assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
     for i in (0, 2):
@@ -121,7 +121,7 @@ def test_perfect_draft_accepts_everything(sharp, temperature):
     prompts = _prompts([4, 11, 7], seed=1)
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True, temperature=temperature, top_p=0.9, seed=i)
               for i, m in enumerate((41, 21, 31))]
-    results = SpeculativeEngine(target, drafter).generate(prompts, params)
+    results = SpeculativeEngine(target, drafter, max_tree_tokens=None).generate(prompts, params)
     for r in results:
         tau = (r.new_tokens - 1) / (r.steps - 1)  # per verification step, the prefill left out
         assert tau == gamma + 1, r.accepted_hist

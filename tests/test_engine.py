@@ -12,6 +12,8 @@ from specdraft.drafters import LookupDrafter, NoDrafter
 from specdraft.errors import SpecdraftError
 
 PROMPTS = [[3, 4, 5, 3, 4], [5, 6, 7, 8, 9, 10, 11], [2, 3], [7, 7, 7, 8]]
+# Engines run with max_tree_tokens=None (no per-step cap) so every row drafts its full
+# beam and all acceptance paths run; the cap itself has its own tests below.
 
 
 def reference(target, prompts, params):
@@ -29,7 +31,7 @@ def test_autoregressive_engine_matches_transformers(tiny_target):
 
 
 def test_stats_add_up(tiny_target):
-    engine = SpeculativeEngine(tiny_target, RandomBeamsDrafter(16, beam_width=3, beam_length=4, seed=3))
+    engine = SpeculativeEngine(tiny_target, RandomBeamsDrafter(16, beam_width=3, beam_length=4, seed=3), max_tree_tokens=None)
     res = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=25, ignore_eos=True))[0]
     assert res.new_tokens == 25 == len(res.token_ids)
     assert sum(res.accepted_hist.values()) == res.steps  # one histogram entry per target forward
@@ -43,7 +45,7 @@ def test_eos_stops_and_is_kept(tiny_target):
     free = reference(tiny_target, [PROMPTS[1]], SamplingParams(max_new_tokens=60, ignore_eos=True))[0]
     eos = next(iter(tiny_target.eos_ids))
     assert eos in free, "the fixture model (seed 0) is expected to emit EOS within 60 tokens"
-    res = SpeculativeEngine(tiny_target, LookupDrafter(2, 5)).generate([PROMPTS[1]], SamplingParams(max_new_tokens=60))[0]
+    res = SpeculativeEngine(tiny_target, LookupDrafter(2, 5), max_tree_tokens=None).generate([PROMPTS[1]], SamplingParams(max_new_tokens=60))[0]
     assert res.token_ids == free[: free.index(eos) + 1]
     assert res.finish_reason == "stop"
 
@@ -52,7 +54,7 @@ def test_stop_string_cuts_text_and_tokens(tiny_target):
     full = SpeculativeEngine(tiny_target, NoDrafter()).generate([PROMPTS[0]], SamplingParams(max_new_tokens=20, ignore_eos=True))[0]
     words = full.text.split()
     stop = " ".join(words[3:5])
-    res = SpeculativeEngine(tiny_target, LookupDrafter(2, 6)).generate(
+    res = SpeculativeEngine(tiny_target, LookupDrafter(2, 6), max_tree_tokens=None).generate(
         [PROMPTS[0]], SamplingParams(max_new_tokens=20, ignore_eos=True, stop=[stop]))[0]
     assert res.finish_reason == "stop"
     assert stop not in res.text and full.text.startswith(res.text)
@@ -61,7 +63,7 @@ def test_stop_string_cuts_text_and_tokens(tiny_target):
 
 
 def test_streaming_deltas_join_to_the_text(tiny_target):
-    engine = SpeculativeEngine(tiny_target, LookupDrafter(2, 4))
+    engine = SpeculativeEngine(tiny_target, LookupDrafter(2, 4), max_tree_tokens=None)
     items = list(engine.stream(PROMPTS[2], SamplingParams(max_new_tokens=15, ignore_eos=True)))
     result = items[-1]
     deltas = items[:-1]
@@ -72,7 +74,7 @@ def test_streaming_deltas_join_to_the_text(tiny_target):
 def test_ragged_batch_with_per_row_limits(tiny_target):
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (5, 17, 9, 30)]
     want = [reference(tiny_target, [p], q)[0] for p, q in zip(PROMPTS, params)]
-    engine = SpeculativeEngine(tiny_target, RandomBeamsDrafter(16, beam_width=4, beam_length=5, seed=5))
+    engine = SpeculativeEngine(tiny_target, RandomBeamsDrafter(16, beam_width=4, beam_length=5, seed=5), max_tree_tokens=None)
     got = [r.token_ids for r in engine.generate(PROMPTS, params)]
     assert got == want
 
@@ -80,7 +82,7 @@ def test_ragged_batch_with_per_row_limits(tiny_target):
 def test_continuous_batching_admit_and_cancel(tiny_target):
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     want = reference(tiny_target, PROMPTS, params)
-    engine = SpeculativeEngine(tiny_target, LookupDrafter(2, 4))
+    engine = SpeculativeEngine(tiny_target, LookupDrafter(2, 4), max_tree_tokens=None)
     out = {i: [] for i in range(len(PROMPTS))}
 
     def collect(events):
@@ -103,7 +105,7 @@ def test_continuous_batching_admit_and_cancel(tiny_target):
 
 def test_admit_into_an_empty_batch(tiny_target):
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    engine = SpeculativeEngine(tiny_target, LookupDrafter(1, 4))
+    engine = SpeculativeEngine(tiny_target, LookupDrafter(1, 4), max_tree_tokens=None)
     batch, _ = engine.start([PROMPTS[0]], SamplingParams(max_new_tokens=1, ignore_eos=True))
     assert not batch.rows  # finished at prefill
     out = []
@@ -119,7 +121,7 @@ def test_admit_into_an_empty_batch(tiny_target):
 def test_context_limit_ends_generation(tiny_target):
     ctx = tiny_target.max_context
     prompt = [3, 4, 5, 6] * ((ctx - 6) // 4)
-    res = SpeculativeEngine(tiny_target, LookupDrafter(2, 8)).generate(
+    res = SpeculativeEngine(tiny_target, LookupDrafter(2, 8), max_tree_tokens=None).generate(
         [prompt], SamplingParams(max_new_tokens=50, ignore_eos=True))[0]
     assert len(prompt) + res.new_tokens == ctx
     assert res.finish_reason == "length"
@@ -140,7 +142,7 @@ def test_prompt_longer_than_context_is_a_user_error(tiny_target):
 
 
 def test_seed_makes_sampling_reproducible(tiny_target):
-    engine = SpeculativeEngine(tiny_target, LookupDrafter(2, 4))
+    engine = SpeculativeEngine(tiny_target, LookupDrafter(2, 4), max_tree_tokens=None)
     params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=11, ignore_eos=True)
     a = engine.generate([PROMPTS[0]], params)[0].token_ids
     b = engine.generate([PROMPTS[0]], params)[0].token_ids

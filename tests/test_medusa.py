@@ -33,7 +33,7 @@ def random_heads(target, head="own", seed=0, **kw) -> MedusaHeads:
 
 def generate_ids(target, drafter, prompts, **params):
     params = SamplingParams(**{"max_new_tokens": 24, **params})
-    return [r.token_ids for r in SpeculativeEngine(target, drafter).generate(prompts, params)]
+    return [r.token_ids for r in SpeculativeEngine(target, drafter, max_tree_tokens=None).generate(prompts, params)]
 
 
 def test_fresh_heads_start_as_the_target_next_token_predictor(tiny_target):
@@ -105,7 +105,7 @@ def test_trained_heads_get_multi_token_acceptance(tmp_path):
         opt.step()
     drafter = MedusaDrafter(heads.eval().requires_grad_(False), beam_width=4)
     test = torch.randint(1, 64, (6, 5), generator=g).tolist()
-    results = SpeculativeEngine(target, drafter).generate(test, SamplingParams(max_new_tokens=32, ignore_eos=True))
+    results = SpeculativeEngine(target, drafter, max_tree_tokens=None).generate(test, SamplingParams(max_new_tokens=32, ignore_eos=True))
     tau = sum(r.new_tokens for r in results) / sum(r.steps for r in results)
     assert tau > 1.5, tau
     assert [r.token_ids for r in results] == generate_ids(target, NoDrafter(), test, max_new_tokens=32,

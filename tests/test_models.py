@@ -38,7 +38,7 @@ def test_gemma3_sliding_window_parity(tiny_gemma):
     prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 3, 4, 5], [5, 6, 7, 5, 6]]
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     for drafter in (NoDrafter(), LookupDrafter(2, 5), RandomBeamsDrafter(16, beam_width=3, beam_length=4)):
-        results = SpeculativeEngine(tiny_gemma, drafter).generate(prompts, params)
+        results = SpeculativeEngine(tiny_gemma, drafter, max_tree_tokens=None).generate(prompts, params)
         for prompt, res in zip(prompts, results):
             ids = torch.tensor([prompt])
             hf = tiny_gemma.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,

@@ -55,7 +55,7 @@ def drafters(smol, cases):
 
 @pytest.mark.parametrize("name", ["none", "lookup", "random-beams"])
 def test_greedy_parity_batch1(smol, cases, name):
-    engine = SpeculativeEngine(smol, drafters(smol, cases)[name])
+    engine = SpeculativeEngine(smol, drafters(smol, cases)[name], max_tree_tokens=None)
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
     results = [run_alone(engine, prompt, params, i) for i, (prompt, _) in enumerate(cases)]
     check(smol, cases, results)
@@ -75,7 +75,7 @@ def run_alone(engine, prompt, params, case):
 
 @pytest.mark.parametrize("name", ["lookup", "random-beams"])
 def test_greedy_parity_batch4(smol, cases, name):
-    engine = SpeculativeEngine(smol, drafters(smol, cases)[name])
+    engine = SpeculativeEngine(smol, drafters(smol, cases)[name], max_tree_tokens=None)
     for start in range(0, len(cases), 4):
         group = cases[start: start + 4]
         if engine.drafter.name == "random-beams":  # its oracle is keyed by row id within the batch

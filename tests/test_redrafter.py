@@ -43,7 +43,7 @@ def reference_ids(target, prompt, max_new_tokens):
 
 def generate_ids(target, drafter, prompts, **params):
     params = SamplingParams(**{"max_new_tokens": 24, **params})
-    return [r.token_ids for r in SpeculativeEngine(target, drafter).generate(prompts, params)]
+    return [r.token_ids for r in SpeculativeEngine(target, drafter, max_tree_tokens=None).generate(prompts, params)]
 
 
 # ---- the head ------------------------------------------------------------------------
@@ -236,7 +236,7 @@ def cycling_target(tmp_path_factory):
 
 
 def tokens_per_step(target, drafter, prompts):
-    results = SpeculativeEngine(target, drafter).generate(prompts, SamplingParams(max_new_tokens=32, ignore_eos=True))
+    results = SpeculativeEngine(target, drafter, max_tree_tokens=None).generate(prompts, SamplingParams(max_new_tokens=32, ignore_eos=True))
     return sum(r.new_tokens for r in results) / sum(r.steps for r in results)
 
 

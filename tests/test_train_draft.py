@@ -68,7 +68,7 @@ def entries(path: Path) -> list[dict]:
 
 def greedy(target, drafter):
     params = SamplingParams(max_new_tokens=16)
-    return [r.token_ids for r in SpeculativeEngine(target, drafter).generate(PROMPTS, params)]
+    return [r.token_ids for r in SpeculativeEngine(target, drafter, max_tree_tokens=None).generate(PROMPTS, params)]
 
 
 # ---- shape and initialisation ----------------------------------------------------------------

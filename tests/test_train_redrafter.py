@@ -62,7 +62,7 @@ def log_entries(out: Path) -> list[dict]:
 
 def greedy(target, drafter):
     params = SamplingParams(max_new_tokens=16)
-    return [r.token_ids for r in SpeculativeEngine(target, drafter).generate(PROMPTS, params)]
+    return [r.token_ids for r in SpeculativeEngine(target, drafter, max_tree_tokens=None).generate(PROMPTS, params)]
 
 
 # ---- the objective ------------------------------------------------------------------------
