@@ -22,6 +22,35 @@ def _shared():
     return cli
 
 
+def add_loop_args(p, epochs: int, lr: float | None, lr_help: str, trained: str, seed_help: str, outputs: str):
+    """The training loop's options (shared by every trainer); returns the optimisation group."""
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=int, default=epochs, help="(default: %(default)s)")
+    g.add_argument("--max-steps", type=int, metavar="N", help="stop after N optimizer steps (the LR schedule "
+                   "spans min(N, epochs))")
+    g.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per process per micro-batch "
+                   "(default: %(default)s)")
+    g.add_argument("--grad-accum", type=int, default=1, metavar="G", help="micro-batches per optimizer step "
+                   "(default: %(default)s)")
+    g.add_argument("--lr", type=float, default=lr, help=f"peak AdamW learning rate {lr_help}")
+    g.add_argument("--warmup", type=float, default=0.1, help="warmup fraction of the cosine schedule "
+                   "(default: %(default)s)")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="(default: %(default)s)")
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping (default: %(default)s)")
+    g.add_argument("--mixed-precision", choices=("no", "fp16", "bf16"), default="no",
+                   help=f"autocast for {trained} (the target's dtype is --dtype) (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help=f"{seed_help} (default: %(default)s)")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", required=True, metavar="DIR", help=f"{outputs} go here")
+    out.add_argument("--save-every", type=int, default=500, metavar="N", help="checkpoint every N steps "
+                     "(default: %(default)s)")
+    out.add_argument("--keep-checkpoints", type=int, default=2, metavar="N", help="(default: %(default)s)")
+    out.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    out.add_argument("--stop-after-steps", type=int, metavar="N",
+                     help="save a checkpoint and stop after step N, as if interrupted (for time-limited jobs)")
+    return g
+
+
 # ---- train redrafter --------------------------------------------------------------------
 
 
@@ -52,32 +81,10 @@ def add_train_redrafter(subparsers) -> None:
     g.add_argument("--num-blocks", type=int, metavar="N", help="residual blocks (default: 2 redrafter, 1 medusa)")
     g.add_argument("--future-tokens", "-K", type=int, default=5, metavar="K",
                    help="tokens predicted per position (Medusa: number of heads) (default: %(default)s)")
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=int, default=2, help="(default: %(default)s)")
-    g.add_argument("--max-steps", type=int, metavar="N", help="stop after N optimizer steps (the LR schedule "
-                   "spans min(N, epochs))")
-    g.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per process per micro-batch "
-                   "(default: %(default)s)")
-    g.add_argument("--grad-accum", type=int, default=1, metavar="G", help="micro-batches per optimizer step "
-                   "(default: %(default)s)")
-    g.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (default: %(default)s)")
-    g.add_argument("--warmup", type=float, default=0.1, help="warmup fraction of the cosine schedule "
-                   "(default: %(default)s)")
-    g.add_argument("--weight-decay", type=float, default=0.0, help="(default: %(default)s)")
-    g.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping (default: %(default)s)")
+    g = add_loop_args(p, epochs=2, lr=1e-3, lr_help="(default: %(default)s)", trained="the head",
+                      seed_help="head init and data order", outputs="checkpoints/, log.jsonl and final/")
     g.add_argument("--kl-weight", type=float, default=0.0, metavar="W",
                    help="add W x KL(target || head) at each labelled position (default: %(default)s)")
-    g.add_argument("--mixed-precision", choices=("no", "fp16", "bf16"), default="no",
-                   help="autocast for the head (the target's dtype is --dtype) (default: %(default)s)")
-    g.add_argument("--seed", type=int, default=0, help="head init and data order (default: %(default)s)")
-    g = p.add_argument_group("output")
-    g.add_argument("--out", required=True, metavar="DIR", help="checkpoints/, log.jsonl and final/ go here")
-    g.add_argument("--save-every", type=int, default=500, metavar="N", help="checkpoint every N steps "
-                   "(default: %(default)s)")
-    g.add_argument("--keep-checkpoints", type=int, default=2, metavar="N", help="(default: %(default)s)")
-    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-    g.add_argument("--stop-after-steps", type=int, metavar="N",
-                   help="save a checkpoint and stop after step N, as if interrupted (for time-limited jobs)")
     g.add_argument("--log-every", type=int, default=10, metavar="N", help="(default: %(default)s)")
     g.add_argument("--topk", type=int, default=5, metavar="k", help="log top-k accuracy (default: %(default)s)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -166,33 +173,9 @@ def add_train_draft(subparsers) -> None:
                    "(default: %(default)s)")
     g.add_argument("--gamma", type=int, default=4, metavar="G", help="draft length for the estimated block "
                    "efficiency and memory-bound speed-up (default: %(default)s)")
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=int, default=1, help="(default: %(default)s)")
-    g.add_argument("--max-steps", type=int, metavar="N", help="stop after N optimizer steps (the LR schedule "
-                   "spans min(N, epochs))")
-    g.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per process per micro-batch "
-                   "(default: %(default)s)")
-    g.add_argument("--grad-accum", type=int, default=1, metavar="G", help="micro-batches per optimizer step "
-                   "(default: %(default)s)")
-    g.add_argument("--lr", type=float, default=None, help="peak AdamW learning rate (default: 1e-3 pretrain, "
-                   "3e-4 finetune)")
-    g.add_argument("--warmup", type=float, default=0.1, help="warmup fraction of the cosine schedule "
-                   "(default: %(default)s)")
-    g.add_argument("--weight-decay", type=float, default=0.0, help="(default: %(default)s)")
-    g.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping (default: %(default)s)")
-    g.add_argument("--mixed-precision", choices=("no", "fp16", "bf16"), default="no",
-                   help="autocast for the draft (the target's dtype is --dtype) (default: %(default)s)")
-    g.add_argument("--seed", type=int, default=0, help="initialisation, data order, sampled losses "
-                   "(default: %(default)s)")
-    g = p.add_argument_group("output")
-    g.add_argument("--out", required=True, metavar="DIR", help="checkpoints/, log.jsonl, eval.jsonl and final/ "
-                   "go here")
-    g.add_argument("--save-every", type=int, default=500, metavar="N", help="checkpoint every N steps "
-                   "(default: %(default)s)")
-    g.add_argument("--keep-checkpoints", type=int, default=2, metavar="N", help="(default: %(default)s)")
-    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-    g.add_argument("--stop-after-steps", type=int, metavar="N",
-                   help="save a checkpoint and stop after step N, as if interrupted (for time-limited jobs)")
+    add_loop_args(p, epochs=1, lr=None, lr_help="(default: 1e-3 pretrain, 3e-4 finetune)", trained="the draft",
+                  seed_help="initialisation, data order, sampled losses",
+                  outputs="checkpoints/, log.jsonl, eval.jsonl and final/")
     g.add_argument("--log-every", type=int, default=10, metavar="N", help="(default: %(default)s)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run_train_draft)

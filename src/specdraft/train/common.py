@@ -191,12 +191,12 @@ def save_checkpoint(accelerator, task, out: Path, step: int, keep: int) -> Path:
 
 
 class JsonLog:
-    """out/log.jsonl, one object per log interval, main process only. On resume, entries
-    after the resumed step (logged by the interrupted run past its last checkpoint) are
-    dropped, so each step is logged once."""
+    """out/``name`` (default log.jsonl), one object per entry, main process only. On
+    resume, entries after the resumed step (logged by the interrupted run past its last
+    checkpoint) are dropped, so each step is logged once."""
 
-    def __init__(self, out: Path, resume_step: int, enabled: bool):
-        self.path = Path(out) / LOG
+    def __init__(self, out: Path, resume_step: int, enabled: bool, name: str = LOG):
+        self.path = Path(out) / name
         self.enabled = enabled
         if not enabled:
             return

@@ -53,7 +53,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..data.chat import IGNORE
 from ..errors import SpecdraftError
-from .common import LoopOptions, Plan, TrainState, cosine_schedule, describe, make_accelerator, train_loop
+from .common import JsonLog, LoopOptions, Plan, TrainState, cosine_schedule, describe, make_accelerator, train_loop
 from .examples import Example
 from .losses import forward_kl, iid_block_efficiency, kd_loss, log_probs, total_variation
 
@@ -548,32 +548,6 @@ class Evaluator:
                 "eval_positions": int(n)}
 
 
-class EvalLog:
-    """OUT/eval.jsonl: one line per evaluation (main process). On resume, lines after the
-    resumed step are dropped, like the training log."""
-
-    def __init__(self, out: Path, resume_step: int, enabled: bool):
-        self.path = Path(out) / EVAL_LOG
-        self.enabled = enabled
-        if not enabled:
-            return
-        kept = []
-        if resume_step and self.path.exists():
-            for line in self.path.read_text().splitlines():
-                try:
-                    if json.loads(line).get("step", 0) <= resume_step:
-                        kept.append(line + "\n")
-                except json.JSONDecodeError:
-                    continue
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text("".join(kept))
-
-    def write(self, entry: dict) -> None:
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(entry) + "\n")
-
-
 # ---- the task (common.train_loop's model-specific half) ------------------------------------
 
 
@@ -591,7 +565,7 @@ class DraftTask:
 
     def __init__(self, stage: str, examples, target, cache=None, *, accelerator=None, model=None,
                  evaluator: Evaluator | None = None, eval_every: int = 0, state: TrainState | None = None,
-                 total_steps: int = 0, eval_log: EvalLog | None = None, on_policy_tokens: int = 0,
+                 total_steps: int = 0, eval_log: JsonLog | None = None, on_policy_tokens: int = 0,
                  seq_len: int | None = None):
         self.stage, self.examples, self.target, self.cache = stage, examples, target, cache
         self.on_policy_tokens, self.seq_len = on_policy_tokens, seq_len
@@ -934,7 +908,7 @@ def run(args) -> int:
 
     evaluator = Evaluator(held, target, batch_size=args.batch_size, chunk=args.loss_chunk, gamma=args.gamma,
                           target_parameters=facts.parameters) if held else None
-    eval_log = EvalLog(out, state.step, main)
+    eval_log = JsonLog(out, state.step, main, name=EVAL_LOG)  # evaluations, trimmed on resume like the log
     task = DraftTask(args.stage, train, target, cache, accelerator=accelerator, model=model, evaluator=evaluator,
                      eval_every=args.eval_every, state=state, total_steps=plan.total_steps, eval_log=eval_log,
                      on_policy_tokens=args.on_policy_tokens if args.on_policy else 0, seq_len=args.seq_len)
