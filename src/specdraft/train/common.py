@@ -297,3 +297,18 @@ def train_loop(accelerator, task, model, optimizer, scheduler, plan: Plan, state
 
 def describe(plan: Plan) -> dict:
     return {**asdict(plan), "steps_per_epoch": plan.steps_per_epoch, "total_steps": plan.total_steps}
+
+
+def finish_run(accelerator, main: bool, finished: bool, state: TrainState, plan: Plan, save_final) -> int:
+    """End a training command: on the main process, ``save_final()`` (returning the final
+    folder and the --drafter kind that loads it) when training finished, else say how to
+    resume; then wait for every process. Returns the exit code."""
+    if main and finished:
+        final, kind = save_final()
+        print(f"specdraft: saved {final} (use --drafter {kind}:{final})", file=sys.stderr)
+    elif main:
+        print(f"specdraft: stopped at step {state.step} of {plan.total_steps}; rerun with --resume to continue",
+              file=sys.stderr)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return 0

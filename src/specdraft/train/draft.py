@@ -53,7 +53,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..data.chat import IGNORE
 from ..errors import SpecdraftError
-from .common import JsonLog, LoopOptions, Plan, TrainState, cosine_schedule, describe, make_accelerator, train_loop
+from .common import JsonLog, LoopOptions, finish_run, Plan, TrainState, cosine_schedule, describe, make_accelerator, train_loop
 from .examples import Example
 from .losses import forward_kl, iid_block_efficiency, kd_loss, log_probs, total_variation
 
@@ -933,7 +933,8 @@ def run(args) -> int:
                        log_every=args.log_every, stop_after_steps=args.stop_after_steps,
                        max_grad_norm=args.max_grad_norm, progress=not args.no_progress)
     finished = train_loop(accelerator, task, model, optimizer, scheduler, plan, state, opts)
-    if main and finished:
+
+    def save() -> tuple[Path, str]:
         last = {}
         if (out / EVAL_LOG).is_file():
             lines = (out / EVAL_LOG).read_text().splitlines()
@@ -947,10 +948,6 @@ def run(args) -> int:
                 "fraction": round(n_draft / facts.parameters, 5), "shape": asdict(shape), "init": init,
                 "stages": history + [stage]}
         final = save_draft(accelerator.unwrap_model(model).draft, target.tokenizer, out / "final", meta)
-        print(f"specdraft: saved {final} (use --drafter draft:{final})", file=sys.stderr)
-    elif main:
-        print(f"specdraft: stopped at step {state.step} of {plan.total_steps}; rerun with --resume to continue",
-              file=sys.stderr)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    return 0
+        return final, "draft"
+
+    return finish_run(accelerator, main, finished, state, plan, save)

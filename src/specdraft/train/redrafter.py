@@ -32,7 +32,7 @@ from torch.nn import functional as F
 from ..data.chat import IGNORE
 from ..errors import SpecdraftError
 from ..redrafter import MedusaHeads, ReDrafterHead
-from .common import (LoopOptions, Plan, TrainState, cosine_schedule, describe, latest_checkpoint,
+from .common import (LoopOptions, finish_run, Plan, TrainState, cosine_schedule, describe, latest_checkpoint,
                      make_accelerator, train_loop)
 from .examples import Batch, ExampleSet, collate, load_examples
 from .hidden_cache import HiddenCache
@@ -253,15 +253,9 @@ def run(args) -> int:
                        log_every=args.log_every, stop_after_steps=args.stop_after_steps,
                        max_grad_norm=args.max_grad_norm, progress=not args.no_progress)
     finished = train_loop(accelerator, task, model, optimizer, scheduler, plan, state, opts)
-    if main and finished:
-        final = save_final(accelerator.unwrap_model(model).head, out / "final", record, state)
-        print(f"specdraft: saved {final} (use --drafter {args.arch}:{final})", file=sys.stderr)
-    elif main:
-        print(f"specdraft: stopped at step {state.step} of {plan.total_steps}; rerun with --resume to continue",
-              file=sys.stderr)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    return 0
+    return finish_run(accelerator, main, finished, state, plan,
+                      lambda: (save_final(accelerator.unwrap_model(model).head, out / "final", record, state),
+                               args.arch))
 
 
 def resume_point(out: Path, resume: bool) -> Path | None:
