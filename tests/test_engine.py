@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from drafters_for_tests import RandomBeamsDrafter
 from specdraft import SamplingParams, SpeculativeEngine
 from specdraft.drafters import LookupDrafter, NoDrafter
+from specdraft.engine import PREFILL_PADDING, prefill_groups
 from specdraft.errors import SpecdraftError
 
 PROMPTS = [[3, 4, 5, 3, 4], [5, 6, 7, 8, 9, 10, 11], [2, 3], [7, 7, 7, 8]]
@@ -169,3 +172,24 @@ def test_tree_token_cap_shares_drafts_between_rows(tiny_target):
 def test_tree_token_cap_defaults_by_device(tiny_target):
     assert SpeculativeEngine(tiny_target, NoDrafter()).max_tree_tokens == 8  # CPU
     assert SpeculativeEngine(tiny_target, NoDrafter(), max_tree_tokens=None).max_tree_tokens is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 600), min_size=1, max_size=40))
+def test_prefill_groups_cover_every_row_once_and_bound_padding(lengths):
+    groups = prefill_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    if len(groups) == 1:
+        assert groups[0] == list(range(len(lengths)))  # one pass: the order is kept
+    for g in groups:
+        if len(g) > 1:  # a group of one has no padding; larger ones stay within the bound
+            assert len(g) * max(lengths[i] for i in g) <= PREFILL_PADDING * sum(lengths[i] for i in g)
+
+
+def test_prompts_of_very_different_lengths_decode_as_alone(tiny_target):
+    prompts = [[i % 16 for i in range(3, 60)], [5, 6], [i % 16 for i in range(9, 30)], [7, 7, 7]]
+    assert len(prefill_groups([len(p) for p in prompts])) > 1
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    want = [reference(tiny_target, [p], params)[0] for p in prompts]
+    engine = SpeculativeEngine(tiny_target, RandomBeamsDrafter(16, beam_width=2, beam_length=4, seed=1), max_tree_tokens=None)
+    assert [r.token_ids for r in engine.generate(prompts, params)] == want

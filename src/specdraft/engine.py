@@ -29,6 +29,28 @@ from .tree import TreeBatch, pack_beams
 STAGES = ("prefill", "draft", "verify", "accept", "update")
 
 
+PREFILL_PADDING = 1.25  # a prefill group may run at most this many times its real tokens
+
+
+def prefill_groups(lengths: list[int], padding: float = PREFILL_PADDING) -> list[list[int]]:
+    """Split rows into groups of similar prompt length, each run as one padded pass.
+
+    Rows are taken shortest first; a row joins the current group while the group's padded
+    size (rows x longest) stays within ``padding`` x its real tokens. Returns lists of row
+    indices covering every row once (one group when lengths are close)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    real = 0
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= padding * (real + lengths[i]):
+            groups[-1].append(i)
+            real += lengths[i]
+        else:
+            groups.append([i])
+            real = lengths[i]
+    return groups if len(groups) > 1 else [list(range(len(lengths)))]  # one group: keep the order
+
+
 class StageTimer:
     """Wall-clock seconds per stage; synchronises CUDA so GPU time lands in its stage."""
 
@@ -193,10 +215,9 @@ class SpeculativeEngine:
         rows = self._make_rows(prompts, params_list, ids if ids is not None else list(range(len(prompts))))
         device = self.target.device
         capacity = max(len(p) for p in prompts) + max(p.max_new_tokens for p in params_list) + 64
-        batch = Batch(rows=rows, cache=CompactCache(self.target.num_layers, len(rows), capacity, device),
-                      hidden=None, ctx=None, timer=StageTimer(device))
+        batch = Batch(rows=rows, cache=None, hidden=None, ctx=None, timer=StageTimer(device))
         with batch.timer("prefill"):
-            batch.hidden = self._prefill(rows, batch.cache)
+            batch.hidden, batch.cache = self._prefill(rows, capacity)
             first = self._choose(rows, self.target.logits(batch.hidden))
         for row in rows:
             row.steps += 1
@@ -260,8 +281,32 @@ class SpeculativeEngine:
             rows.append(_Row(index=i, prompt=list(prompt), params=p, generator=gen))
         return rows
 
-    def _prefill(self, rows: list[_Row], cache: CompactCache) -> torch.Tensor:
-        """Run the right-padded prompts; return (B, d) hidden states at each prompt's end."""
+    def _prefill(self, rows: list[_Row], capacity: int) -> tuple[torch.Tensor, CompactCache]:
+        """Run the prompts; return (B, d) hidden states at each prompt's end and the cache
+        holding them (rows in ``rows`` order, ``capacity`` slots).
+
+        Prompts of very different lengths are run in groups of similar length (see
+        ``prefill_groups``): one padded pass would cost max length x B tokens."""
+        device = self.target.device
+        groups = prefill_groups([len(r.prompt) for r in rows])
+        hidden, caches = [], []
+        for group in groups:
+            cache = CompactCache(self.target.num_layers, len(group), capacity, device)
+            hidden.append(self._prefill_padded([rows[i] for i in group], cache))
+            caches.append(cache)
+        cache = caches[0]
+        for other in caches[1:]:
+            cache.extend(other)
+        if len(groups) == 1:
+            return hidden[0], cache
+        order = torch.tensor([i for group in groups for i in group], device=device)
+        back = torch.argsort(order)  # row i sits at position back[i] of the grouped order
+        cache.select_rows(back)
+        return torch.cat(hidden)[back], cache
+
+    def _prefill_padded(self, rows: list[_Row], cache: CompactCache) -> torch.Tensor:
+        """Run the right-padded prompts in one pass; return (B, d) hidden states at each
+        prompt's end."""
         device = self.target.device
         lengths = torch.tensor([len(r.prompt) for r in rows], device=device)
         P = int(lengths.max())

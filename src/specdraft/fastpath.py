@@ -2,10 +2,17 @@
 
 On CPU (MKL), ``x @ W.T`` with a handful of rows (2..16 tree tokens) runs far below
 memory bandwidth: for SmolLM2's 49152 x 576 LM head it takes ~20 ms for 2 rows against
-~9 ms for 1. The same product computed as ``(W @ x.T).T`` takes ~5 ms. Verifying a tree
-therefore costs much less with the second layout (SmolLM2, 300 cached tokens: 2-4 tree
-tokens 92-114 -> 66-76 ms, 8 tokens 112 -> 90 ms, 32 tokens 167 -> 129 ms; one token
-unchanged at ~55 ms, so one row keeps the stock path).
+~9 ms for 1. The same product computed as ``(W @ x.T).T`` takes ~5 ms. Its result is the
+transpose of a contiguous matrix; it is made contiguous again (a copy of rows x out
+floats) because the attention that follows is much slower on the transposed layout, the
+more so the more batch rows (16 rows x 1 token: 209 ms transposed, 120 ms contiguous,
+133 ms stock). Measured on SmolLM2, 300 cached tokens per row, target forward:
+
+    rows (batch x tokens)   1x1   1x2   1x4   1x8   2x1   4x1   8x1   16x1   32x1
+    stock F.linear, ms       54    93   105   115    91   100   114    133    198
+    this layout, ms          54    54    59    83    54    59    88    120    184
+
+so verifying 2-4 tree tokens costs what decoding one token costs.
 
 ``small_batch_linear(model)`` patches the model's ``nn.Linear`` instances (not the class)
 so that, only inside ``active()`` and only on CPU with at most ``MAX_ROWS`` rows, they use
@@ -43,7 +50,7 @@ def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     if not 2 <= rows <= MAX_ROWS or x.device.type != "cpu":
         return F.linear(x, self.weight, self.bias)
-    y = (self.weight @ x.reshape(rows, x.shape[-1]).T).T
+    y = (self.weight @ x.reshape(rows, x.shape[-1]).T).T.contiguous()
     if self.bias is not None:
         y = y + self.bias
     return y.reshape(*x.shape[:-1], y.shape[-1])
