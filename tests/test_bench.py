@@ -310,3 +310,14 @@ def test_mbsu_and_stages():
     assert metrics.mbsu(3.0, None, None, 100) is None
     stages = metrics.batch_stages([{"draft": 1.0, "verify": 1.0}, {"draft": 2.0, "verify": 3.0}], wall=6.0)
     assert stages["draft"] == 2.0 and stages["verify"] == 3.0 and stages["other"] == pytest.approx(1.0)
+
+
+def test_method_specs_are_checked_before_anything_runs(tmp_path):
+    from specdraft.bench.methods import check_spec
+
+    for good in ("none", "lookup@1x4", "redrafter:default", "lookup+redrafter:default@1x2", f"draft:{tmp_path}"):
+        check_spec(good)
+    for bad, match in (("medusa:default", "no medusa drafter is shipped"), ("lookup+hf-ar", "only our drafters"),
+                       (f"redrafter:{tmp_path / 'missing'}", "not found"), ("lookup+nope", "unknown method")):
+        with pytest.raises(SpecdraftError, match=match):
+            check_spec(bad)

@@ -380,3 +380,13 @@ def test_export_command_line(tiny_target, tiny_target_path, tmp_path, capsys):
     capsys.readouterr()
     assert main(["export", "trtllm", "--drafter", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2
     assert capsys.readouterr().err.strip().startswith("specdraft: error:")
+
+
+def test_shipped_drafter_is_only_for_the_default_target(tiny_target):
+    from specdraft.drafters.registry import build_drafter
+
+    with pytest.raises(SpecdraftError, match="no medusa drafter is shipped"):
+        build_drafter("medusa:default", tiny_target)
+    with pytest.raises(SpecdraftError) as err:  # shipped, but made for SmolLM2, not this target
+        build_drafter("redrafter:default", tiny_target)
+    assert "\n" not in str(err.value)

@@ -8,8 +8,8 @@ temperature -> top-k -> top-p processing (``specdraft.sampling.target_probs``).
 
 Statistic: a G-test (likelihood ratio, chi-square tail from torch.special.gammaincc);
 outcomes with expected count < 5 are pooled into one bin, and an outcome of exact
-probability 0 fails outright. Threshold: fail when p < ALPHA = 1e-3. With 11 exactness
-cases below, an exact engine would fail some case with probability about 1.1% for a
+probability 0 fails outright. Threshold: fail when p < ALPHA = 1e-3. With 13 exactness
+cases below, an exact engine would fail some case with probability about 1.3% for a
 random choice of seeds; the seeds are fixed, so a pass is reproducible (no flakiness) and
 a failure is a real signal. The power tests show that known biases give p far below it.
 
@@ -30,6 +30,9 @@ import torch
 from drafters_for_tests import RandomBeamsDrafter, SampledChainDrafter
 import specdraft.engine as engine
 from specdraft.drafters import LookupDrafter, NoDrafter
+from specdraft.drafters.combined import CombinedDrafter
+from specdraft.drafters.redrafter import ReDrafter
+from specdraft.redrafter import ReDrafterHead
 from specdraft.drafters.base import DraftContext, Drafter, Proposal
 from specdraft.engine import SpeculativeEngine
 from specdraft.models import load_target
@@ -177,6 +180,8 @@ CASES = {
     "oracle beams T=0.7 top-p": (lambda t: OracleBeamsDrafter(t), T07),
     "oracle beams T=1 top-k": (lambda t: OracleBeamsDrafter(t), TOPK),
     "lookup T=1 top-p with EOS": (lambda t: LookupDrafter(beam_width=2, beam_length=4), {**T1, "ignore_eos": False}),
+    "lookup+oracle beams T=1 top-p": (lambda t: CombinedDrafter([LookupDrafter(beam_width=2, beam_length=3),
+                                                                  OracleBeamsDrafter(t)]), T1),
     "sampled chain T=0.7 top-p": (lambda t: SampledChainDrafter(V, beam_length=4), T07),
     "sampled chain T=1 top-k": (lambda t: SampledChainDrafter(V, beam_length=4, seed=1), TOPK),
 }
@@ -191,6 +196,18 @@ def test_speculative_sampling_matches_exact_law(target, case):
     assert res.p_value > ALPHA, f"{case}: {res}"
     if not case.startswith("autoregressive"):
         assert steps < K, "drafts were never accepted: the case tests nothing"
+
+
+def test_redrafter_beam_search_sampling_matches_exact_law(target):
+    """A ReDrafter head's beam search (random weights: a fixed, history-dependent proposal
+    over this 6-token vocabulary, often right) verified by recursive rejection."""
+    torch.manual_seed(0)
+    head = ReDrafterHead.for_target(target, head="own").eval().requires_grad_(False)
+    res, steps = sample_case(target, lambda t: ReDrafter(head, beam_width=3, beam_length=4), SamplingParams(**T1),
+                             N_ROWS)
+    print(f"redrafter beams T=1 top-p: {res} steps/row={steps:.2f}")
+    assert res.p_value > ALPHA, str(res)
+    assert steps < K, "drafts were never accepted: the case tests nothing"
 
 
 def test_mixed_batch_ragged_prompts_and_greedy_rows(target):
@@ -229,7 +246,9 @@ def test_greedy_speculative_equals_autoregressive(target):
     for p in prompts:
         table.update(exact_law(target, p, SamplingParams(max_new_tokens=3, temperature=1.0), depth=3)[1])
     for drafter in [RandomBeamsDrafter(V, beam_width=3, beam_length=4), LookupDrafter(beam_width=2, beam_length=5),
-                    SampledChainDrafter(V, beam_length=4), OracleBeamsDrafter(table)]:
+                    SampledChainDrafter(V, beam_length=4), OracleBeamsDrafter(table),
+                    CombinedDrafter([LookupDrafter(beam_width=1, beam_length=3),
+                                     RandomBeamsDrafter(V, beam_width=2, beam_length=5, seed=3)])]:
         spec, results = run_rows(target, drafter, prompts, params)
         assert spec == ar, drafter.name
     # With EOS honoured too (t0 is EOS).

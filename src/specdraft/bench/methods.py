@@ -122,8 +122,19 @@ def check_spec(spec: str) -> None:
     from pathlib import Path
 
     base, _ = split_shape(spec)
+    if "+" in base:  # a combined drafter: every part must be one of ours
+        for part in base.split("+"):
+            if part.partition(":")[0] in PEER_KINDS:
+                raise SpecdraftError(f"{spec}: only our drafters combine, not {part!r}")
+            check_spec(part)
+        return
     kind, colon, path = base.partition(":")
     if kind in WITHOUT_PATH and not colon:
+        return
+    if kind in WITH_PATH and path == "default" and kind not in PEER_KINDS:
+        from ..assets import shipped
+
+        shipped(kind)  # a one-line error when none is shipped
         return
     if kind in WITH_PATH and path:
         if not Path(path).expanduser().exists():

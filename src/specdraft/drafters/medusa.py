@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import fastpath
 from ..errors import SpecdraftError
 from ..redrafter.beam_search import independent_beam_search
 from ..redrafter.medusa import MedusaHeads
@@ -22,6 +23,7 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, heads: MedusaHeads, beam_width: int | None = None, beam_length: int | None = None):
         self.heads = heads
+        fastpath.small_batch_linear(heads)  # its few-row linears, like the target's (CPU)
         self.W, self.L = beam_shape(heads.config, beam_width, beam_length)
         K = heads.config.num_heads
         if self.L > K + 1:
@@ -36,6 +38,7 @@ class MedusaDrafter(Drafter):
     def propose(self, ctx: DraftContext) -> Proposal:
         L = min(self.L, int(ctx.budget.max()))
         # Heads past depth L - 1 would not be used: skip them.
-        log_probs = torch.log_softmax(self.heads.logits(ctx.hidden, num_heads=max(L - 1, 1)), dim=-1)
+        with fastpath.active():
+            log_probs = torch.log_softmax(self.heads.logits(ctx.hidden, num_heads=max(L - 1, 1)), dim=-1)
         result = independent_beam_search(log_probs, ctx.g0, self.W, L)
         return Proposal(beams=result.beams, valid=result.valid)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import fastpath
 from ..errors import SpecdraftError
 from ..redrafter.beam_search import redrafter_beam_search
 from ..redrafter.model import ReDrafterHead
@@ -32,6 +33,7 @@ class ReDrafter(Drafter):
 
     def __init__(self, head: ReDrafterHead, beam_width: int | None = None, beam_length: int | None = None):
         self.head = head
+        fastpath.small_batch_linear(head)  # its few-row linears, like the target's (CPU)
         self.W, self.L = beam_shape(head.config, beam_width, beam_length)
 
     @classmethod
@@ -44,5 +46,6 @@ class ReDrafter(Drafter):
     def propose(self, ctx: DraftContext) -> Proposal:
         # No row may use more than its budget: drafting deeper would only be clipped away.
         L = min(self.L, int(ctx.budget.max()))
-        result = redrafter_beam_search(self.head, ctx.hidden, ctx.g0, self.W, L)
+        with fastpath.active():
+            result = redrafter_beam_search(self.head, ctx.hidden, ctx.g0, self.W, L)
         return Proposal(beams=result.beams, valid=result.valid)

@@ -1,4 +1,5 @@
-"""Build a drafter from its command-line spec: none | lookup | redrafter:PATH | medusa:PATH | draft:PATH."""
+"""Build a drafter from its command-line spec: none | lookup | redrafter:PATH | medusa:PATH | draft:PATH,
+or several joined by '+' (e.g. lookup+redrafter:PATH: the union of their candidates)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from .autoregressive import NoDrafter
 from .base import Drafter
 from .lookup import LookupDrafter
 
-KINDS = ("none", "lookup", "redrafter:PATH", "medusa:PATH", "draft:PATH")
+KINDS = ("none", "lookup", "redrafter:PATH", "medusa:PATH", "draft:PATH", "A+B (e.g. lookup+redrafter:PATH)")
 
 
 def check_shapes(beam_width: int | None = None, beam_length: int | None = None, gamma: int | None = None) -> None:
@@ -19,9 +20,22 @@ def check_shapes(beam_width: int | None = None, beam_length: int | None = None, 
 
 def build_drafter(spec: str, target, beam_width: int | None = None, beam_length: int | None = None,
                   gamma: int | None = None) -> Drafter:
-    """A drafter for ``target``. Unset shapes take the drafter's own defaults."""
+    """A drafter for ``target``. Unset shapes take the drafter's own defaults. In a
+    combined spec (A+B) the shapes apply to the trained parts; lookup keeps its own."""
     check_shapes(beam_width, beam_length, gamma)
+    if "+" in spec:
+        from .combined import CombinedDrafter
+
+        parts = [p.strip() for p in spec.split("+")]
+        if any(p in ("", "none") for p in parts) or len(set(parts)) != len(parts):
+            raise SpecdraftError(f"a combined drafter joins distinct drafters other than none, got {spec!r}")
+        return CombinedDrafter([build_drafter(p, target) if p == "lookup" else
+                                build_drafter(p, target, beam_width, beam_length, gamma) for p in parts])
     kind, _, path = spec.partition(":")
+    if path == "default" and kind in ("redrafter", "medusa", "draft"):
+        from ..assets import shipped
+
+        path = str(shipped(kind))
     if kind == "none" and not path:
         return NoDrafter()
     if kind == "lookup" and not path:

@@ -1,0 +1,62 @@
+"""``A+B``: the union of two (or more) drafters' candidates, verified as one tree.
+
+Different drafters are right in different places: prompt lookup when the text repeats
+(code, quotes, the loops small models fall into), a trained head elsewhere. Verifying
+both sets of beams in the same target pass costs a few tree tokens more (shared
+prefixes are packed once) and keeps the longer accepted path of the two.
+
+Beams are concatenated along the beam axis, shorter ones padded (invalid) to the longest
+length; every part's beams start with g0, so the union is a valid proposal. Only drafters
+with deterministic candidates combine (no ``q``): sampling rows are then verified by
+recursive rejection over the whole tree, which keeps the target's distribution exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import SpecdraftError
+from .base import DraftContext, Drafter, Proposal
+
+
+class CombinedDrafter(Drafter):
+    name = "combined"
+
+    def __init__(self, parts: list[Drafter]):
+        if len(parts) < 2:
+            raise SpecdraftError("a combined drafter needs at least two parts, e.g. lookup+redrafter:PATH")
+        self.parts = parts
+        self.name = "+".join(p.name for p in parts)
+
+    def start(self, ctx: DraftContext) -> None:
+        for p in self.parts:
+            p.start(ctx)
+
+    def add_rows(self, ctx: DraftContext) -> None:
+        for p in self.parts:
+            p.add_rows(ctx)
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        proposals = [p.propose(ctx) for p in self.parts]
+        if any(p.q is not None for p in proposals):
+            raise SpecdraftError("a combined drafter needs deterministic candidates from every part "
+                                 "(a draft model that samples its drafts cannot be combined)")
+        L = max(p.beams.shape[2] for p in proposals)
+        beams = torch.cat([_pad_length(p.beams, L, 0) for p in proposals], dim=1)
+        valid = torch.cat([_pad_length(p.valid, L, False) for p in proposals], dim=1)
+        return Proposal(beams=beams, valid=valid)
+
+    def observe(self, ctx: DraftContext, accepted: torch.Tensor, n_accepted: torch.Tensor) -> None:
+        for p in self.parts:
+            p.observe(ctx, accepted, n_accepted)
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        for p in self.parts:
+            p.select_rows(keep)
+
+
+def _pad_length(t: torch.Tensor, length: int, value) -> torch.Tensor:
+    """(B, W, l) -> (B, W, length), filled with ``value``."""
+    if t.shape[2] == length:
+        return t
+    return torch.nn.functional.pad(t, (0, length - t.shape[2]), value=value)

@@ -1,0 +1,69 @@
+"""The A+B drafter: the union of its parts' beams, built from a spec, rejected when unsound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafters_for_tests import RandomBeamsDrafter, SampledChainDrafter
+from specdraft import SamplingParams, SpeculativeEngine
+from specdraft.drafters import LookupDrafter, NoDrafter
+from specdraft.drafters.base import DraftContext
+from specdraft.drafters.combined import CombinedDrafter
+from specdraft.drafters.registry import build_drafter
+from specdraft.errors import SpecdraftError
+from specdraft.redrafter import ReDrafterHead
+
+
+def context(histories: list[list[int]]) -> DraftContext:
+    tokens = [torch.tensor(h) for h in histories]
+    B = len(tokens)
+    return DraftContext(tokens=tokens, g0=torch.tensor([h[-1] for h in histories]), hidden=torch.zeros(B, 4),
+                        budget=torch.full((B,), 16), greedy=torch.ones(B, dtype=torch.bool), row_ids=list(range(B)))
+
+
+def test_union_keeps_every_parts_beams_in_order():
+    ctx = context([[1, 2, 3, 1, 2], [4, 5, 6]])
+    lookup, beams = LookupDrafter(beam_width=1, beam_length=3), RandomBeamsDrafter(9, beam_width=2, beam_length=5)
+    a = lookup.propose(ctx)
+    beams.gen.manual_seed(0)
+    b = beams.propose(ctx)
+    beams.gen.manual_seed(0)
+    union = CombinedDrafter([lookup, beams]).propose(ctx)
+    assert union.beams.shape == (2, 3, 5) and union.q is None
+    assert torch.equal(union.beams[:, :1, :3], a.beams) and torch.equal(union.valid[:, :1, :3], a.valid)
+    assert not union.valid[:, :1, 3:].any()  # the shorter part is padded with invalid slots
+    assert torch.equal(union.beams[:, 1:], b.beams) and torch.equal(union.valid[:, 1:], b.valid)
+    assert union.beams[0, 0, 1:3].tolist() == [3, 1]  # lookup's continuation of "1 2"
+
+
+def test_combined_greedy_equals_autoregressive_on_a_ragged_batch(tiny_target):
+    prompts = [[3, 4, 5, 3, 4], [5, 6, 7, 8, 9, 10, 11], [2, 3]]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    want = [r.token_ids for r in SpeculativeEngine(tiny_target, NoDrafter()).generate(prompts, params)]
+    drafter = CombinedDrafter([LookupDrafter(beam_width=1, beam_length=4),
+                               RandomBeamsDrafter(16, beam_width=2, beam_length=3, seed=2)])
+    results = SpeculativeEngine(tiny_target, drafter, max_tree_tokens=None).generate(prompts, params)
+    assert [r.token_ids for r in results] == want
+    assert sum(r.steps for r in results) < sum(len(w) for w in want)  # drafts were accepted
+
+
+def test_spec_builds_the_union_and_bad_specs_are_user_errors(tiny_target, tmp_path):
+    ReDrafterHead.for_target(tiny_target, head="shared", beam_width=2, beam_length=3).save(tmp_path / "head")
+    drafter = build_drafter(f"lookup+redrafter:{tmp_path / 'head'}", tiny_target, beam_width=3)
+    assert isinstance(drafter, CombinedDrafter) and drafter.name == "lookup+redrafter"
+    lookup, head = drafter.parts
+    assert (head.W, head.L) == (3, 3)  # shapes go to the trained part; lookup keeps its own
+    assert (lookup.W, lookup.L) == (LookupDrafter.recorded_shape() or (1, 4))
+    for bad in ("lookup+none", "lookup+lookup", "lookup+", "lookup+unknown"):
+        with pytest.raises(SpecdraftError):
+            build_drafter(bad, tiny_target)
+
+
+def test_a_sampling_part_cannot_be_combined():
+    ctx = context([[1, 2, 3]])
+    ctx.greedy[:] = False
+    ctx.params = [SamplingParams(temperature=1.0)]
+    drafter = CombinedDrafter([LookupDrafter(), SampledChainDrafter(9, beam_length=3)])
+    with pytest.raises(SpecdraftError, match="deterministic"):
+        drafter.propose(ctx)
