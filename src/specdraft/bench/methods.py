@@ -121,9 +121,11 @@ def check_spec(spec: str) -> None:
     measured, rather than after an hour of other rows."""
     from pathlib import Path
 
+    from ..drafters.registry import checkpoint_path, combined_parts
+
     base, _ = split_shape(spec)
     if "+" in base:  # a combined drafter: every part must be one of ours
-        for part in base.split("+"):
+        for part in combined_parts(base):
             if part.partition(":")[0] in PEER_KINDS:
                 raise SpecdraftError(f"{spec}: only our drafters combine, not {part!r}")
             check_spec(part)
@@ -131,11 +133,7 @@ def check_spec(spec: str) -> None:
     kind, colon, path = base.partition(":")
     if kind in WITHOUT_PATH and not colon:
         return
-    if kind in WITH_PATH and path == "default" and kind not in PEER_KINDS:
-        from ..assets import shipped
-
-        shipped(kind)  # a one-line error when none is shipped
-        return
+    path = checkpoint_path(kind, path)
     if kind in WITH_PATH and path:
         if not Path(path).expanduser().exists():
             raise SpecdraftError(f"{spec}: checkpoint folder not found: {path}")

@@ -18,6 +18,27 @@ def check_shapes(beam_width: int | None = None, beam_length: int | None = None, 
             raise SpecdraftError(f"{name} must be >= 1, got {value}")
 
 
+SHIPPED_KINDS = ("redrafter", "medusa", "draft")
+
+
+def combined_parts(spec: str) -> list[str]:
+    """'lookup+redrafter:P' -> ['lookup', 'redrafter:P']: distinct parts, none of them 'none'."""
+    parts = [p.strip() for p in spec.split("+")]
+    if any(p in ("", "none") for p in parts) or len(set(parts)) != len(parts):
+        raise SpecdraftError(f"a combined drafter joins distinct drafters other than none, got {spec!r}")
+    return parts
+
+
+def checkpoint_path(kind: str, path: str) -> str:
+    """The checkpoint folder a spec names: 'default' is the drafter shipped for the default
+    target (a one-line error when none of that kind is shipped); any other path as given."""
+    if path == "default" and kind in SHIPPED_KINDS:
+        from ..assets import shipped
+
+        return str(shipped(kind))
+    return path
+
+
 def build_drafter(spec: str, target, beam_width: int | None = None, beam_length: int | None = None,
                   gamma: int | None = None) -> Drafter:
     """A drafter for ``target``. Unset shapes take the drafter's own defaults. In a
@@ -26,16 +47,10 @@ def build_drafter(spec: str, target, beam_width: int | None = None, beam_length:
     if "+" in spec:
         from .combined import CombinedDrafter
 
-        parts = [p.strip() for p in spec.split("+")]
-        if any(p in ("", "none") for p in parts) or len(set(parts)) != len(parts):
-            raise SpecdraftError(f"a combined drafter joins distinct drafters other than none, got {spec!r}")
         return CombinedDrafter([build_drafter(p, target) if p == "lookup" else
-                                build_drafter(p, target, beam_width, beam_length, gamma) for p in parts])
+                                build_drafter(p, target, beam_width, beam_length, gamma) for p in combined_parts(spec)])
     kind, _, path = spec.partition(":")
-    if path == "default" and kind in ("redrafter", "medusa", "draft"):
-        from ..assets import shipped
-
-        path = str(shipped(kind))
+    path = checkpoint_path(kind, path)
     if kind == "none" and not path:
         return NoDrafter()
     if kind == "lookup" and not path:
