@@ -321,3 +321,35 @@ def test_method_specs_are_checked_before_anything_runs(tmp_path):
                        (f"redrafter:{tmp_path / 'missing'}", "not found"), ("lookup+nope", "unknown method")):
         with pytest.raises(SpecdraftError, match=match):
             check_spec(bad)
+
+
+def test_draft_table_script_pivots_bench_rows(tmp_path):
+    """scripts/draft_table.py: one row per model, a τ / MBSU cell per (task, γ, mode)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("draft_table", Path(__file__).parents[1] / "scripts" / "draft_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    runs = [{"drafter": "none", "status": "ok", "dataset": "mt-bench", "temperature": 0.0},
+            {"drafter": "draft:a@g3", "status": "ok", "dataset": "mt-bench", "temperature": 0.0,
+             "block_efficiency": 1.5, "mbsu": 1.25},
+            {"drafter": "draft:a@g5", "status": "ok", "dataset": "mt-bench", "temperature": 1.0,
+             "block_efficiency": 1.75, "mbsu": 1.0},
+            {"drafter": "draft:a@g5", "status": "failed", "dataset": "humaneval", "temperature": 0.0}]
+    (tmp_path / "results.json").write_text(json.dumps({"runs": runs}))
+    rows = module.draft_rows([str(tmp_path)])
+    assert [r["drafter"] for r in rows] == ["draft:a@g3", "draft:a@g5"]
+    text = module.table({"FKL": rows, "RKL": []})
+    assert text.splitlines()[0] == "| draft model | mt-bench γ=3 greedy | mt-bench γ=5 T=1 |"
+    assert text.splitlines()[2] == "| FKL | 1.50 / 1.25 | 1.75 / 1.00 |"
+    assert text.splitlines()[3] == "| RKL | – | – |"
+
+
+def test_sweep_records_shipped_drafters_in_their_folder():
+    """`sweep --drafter draft:default` writes the shipped folder's config, not ./default."""
+    from specdraft.assets import shipped
+    from specdraft.bench.sweep import record_path
+
+    assert record_path("draft:default") == shipped("draft") / "config.json"
+    assert record_path("redrafter:default") == shipped("redrafter") / "config.json"
+    assert record_path("draft:some/folder") == Path("some/folder/config.json")

@@ -9,6 +9,7 @@ same comparison on all 80 questions at 256 new tokens.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from drafters_for_tests import RandomBeamsDrafter
 from specdraft import SamplingParams, SpeculativeEngine
@@ -54,20 +55,25 @@ def drafters(smol, cases):
         # The trained ReDrafter head shipped for this target, alone and with lookup.
         "shipped-redrafter": build_drafter("redrafter:default", smol),
         "lookup+shipped-redrafter": build_drafter("lookup+redrafter:default", smol),
+        # The draft model shipped for this target (Direct Alignment), a chain of 3 tokens.
+        "shipped-draft": build_drafter("draft:default", smol, gamma=3),
     }
 
 
-@pytest.mark.parametrize("name", ["none", "lookup", "random-beams", "shipped-redrafter", "lookup+shipped-redrafter"])
+TRAINED = {"shipped-redrafter": 1.12, "lookup+shipped-redrafter": 1.12, "shipped-draft": 1.06}
+
+
+@pytest.mark.parametrize("name", ["none", "lookup", "random-beams", *TRAINED])
 def test_greedy_parity_batch1(smol, cases, name):
     engine = SpeculativeEngine(smol, drafters(smol, cases)[name], max_tree_tokens=None)
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
     results = [run_alone(engine, prompt, params, i) for i, (prompt, _) in enumerate(cases)]
     check(smol, cases, results)
-    if name.endswith("shipped-redrafter"):  # the trained head must actually draft
+    if name in TRAINED:  # a trained drafter must actually draft
         tau = sum(len(r.token_ids) for r in results) / sum(r.steps for r in results)
         print(f"{name}: tau {tau:.2f} over {len(results)} questions")
-        # Measured 1.22 for the head alone (README); an untrained or mis-loaded head gives ~1.0.
-        assert tau > 1.12, f"the shipped drafter reached only tau {tau:.2f}"
+        # Measured: head alone 1.22 (README); an untrained or mis-loaded drafter gives ~1.0.
+        assert tau > TRAINED[name], f"the shipped drafter reached only tau {tau:.2f}"
 
 
 def run_alone(engine, prompt, params, case):
@@ -82,7 +88,7 @@ def run_alone(engine, prompt, params, case):
             engine.drafter.oracle = oracle
 
 
-@pytest.mark.parametrize("name", ["lookup", "random-beams", "shipped-redrafter"])
+@pytest.mark.parametrize("name", ["lookup", "random-beams", "shipped-redrafter", "shipped-draft"])
 def test_greedy_parity_batch4(smol, cases, name):
     engine = SpeculativeEngine(smol, drafters(smol, cases)[name], max_tree_tokens=None)
     for start in range(0, len(cases), 4):
@@ -94,3 +100,26 @@ def test_greedy_parity_batch4(smol, cases, name):
         results = engine.generate([prompt for prompt, _ in group], params)
         trimmed = [(prompt, ref[: p.max_new_tokens]) for (prompt, ref), p in zip(group, params)]
         check(smol, trimmed, results)
+
+
+def test_shipped_draft_is_a_transformers_assistant_model(smol, cases):
+    """The shipped draft model loads unchanged as transformers' ``assistant_model`` and its
+    assisted greedy decoding gives generate()'s tokens (up to numerical ties)."""
+    from transformers import AutoModelForCausalLM
+
+    from specdraft.assets import shipped
+
+    assistant = AutoModelForCausalLM.from_pretrained(str(shipped("draft")), dtype=smol.model.dtype)
+    assert assistant.config.vocab_size == smol.vocab_size
+    ties = []
+    for prompt, ref in cases[:3]:
+        ids = torch.tensor([prompt])
+        out = smol.model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=assistant,
+                                  do_sample=False, max_new_tokens=NEW_TOKENS,
+                                  pad_token_id=smol.model.config.eos_token_id)
+        outcome = compare_greedy(smol.model, prompt, out[0, len(prompt):].tolist(), ref)
+        assert outcome.ok, f"assisted generation with the shipped draft differs from generate(): {outcome}"
+        if outcome.status == "tie":
+            ties.append(str(outcome))
+    if ties:
+        print("tolerated numerical ties:", "; ".join(ties))

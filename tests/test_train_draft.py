@@ -226,9 +226,14 @@ def test_saved_draft_is_a_transformers_assistant_model(tiny_target_path, tiny_ta
 
     out = tmp_path / "ft"
     assert train(tiny_target_path, out, "--stage", "finetune", "--data", str(distilled), "--max-steps", "3",
-                 "--loss", "fkl", *SMALL) == 0
+                 "--loss", "fkl", "--save-dtype", "bfloat16", *SMALL) == 0
+    from safetensors import safe_open
+
+    with safe_open(str(out / "final" / "model.safetensors"), "pt") as f:  # shipped at half the size
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     draft, meta = load_draft(out / "final", tiny_target)
     assert meta["kind"] == "draft-model" and meta["target"]["vocab_size"] == 16
+    assert draft.dtype == torch.float32  # loaded at the target's dtype
     target = AutoModelForCausalLM.from_pretrained(str(tiny_target_path))
     assistant = AutoModelForCausalLM.from_pretrained(str(out / "final"))
     for prompt in PROMPTS:

@@ -151,6 +151,9 @@ def add_train_draft(subparsers) -> None:
                    "onto their top principal directions when the draft is narrower)")
     g.add_argument("--copy-layers", metavar="I,J,...", help="start from these target layers (implies the target's "
                    "hidden and layer shape, and --init-from-target)")
+    g.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="dtype of the final folder's weights (training and checkpoints stay float32; bfloat16 "
+                        "halves the file, e.g. to ship it) (default: %(default)s)")
     g = p.add_argument_group("loss (finetune)")
     g.add_argument("--loss", choices=("fkl", "rkl", "tvd", "tvdpp"), default="tvdpp", help="(default: %(default)s)")
     g.add_argument("--tvdpp-variant", choices=("exact", "sampled", "uniform"), default="exact",

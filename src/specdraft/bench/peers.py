@@ -140,8 +140,9 @@ def assisted_peer(spec: str, path: str, target, gamma: int | None) -> HFPeer:
     from transformers import AutoModelForCausalLM
 
     from ..drafters.draft_model import parameter_count
+    from ..drafters.registry import checkpoint_path
 
-    folder = Path(path).expanduser()
+    folder = Path(checkpoint_path(spec.partition(":")[0], path)).expanduser()
     if not (folder / "config.json").is_file():
         raise SpecdraftError(f"draft model folder not found or has no config.json: {path}")
     gamma = gamma or json.loads((folder / "config.json").read_text()).get("gamma") or DRAFT_DEFAULT_GAMMA

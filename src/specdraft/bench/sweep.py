@@ -52,8 +52,12 @@ def best_row(runs: list[dict]) -> dict:
 
 def record_path(drafter: str) -> Path:
     """The file where a drafter's defaults are recorded."""
+    from ..drafters.registry import checkpoint_path
+
     kind, _, path = drafter.partition(":")
-    return cache_dir() / "lookup.json" if kind == "lookup" else Path(path).expanduser() / "config.json"
+    if kind == "lookup":
+        return cache_dir() / "lookup.json"
+    return Path(checkpoint_path(kind, path)).expanduser() / "config.json"  # 'default': the shipped folder
 
 
 def record_best(drafter: str, best: dict, environment: dict) -> Path:

@@ -19,6 +19,8 @@ def check_shapes(beam_width: int | None = None, beam_length: int | None = None, 
 
 
 SHIPPED_KINDS = ("redrafter", "medusa", "draft")
+# transformers' assisted generation with our draft model: hf-assisted:default is draft:default.
+SHIPPED_ALIASES = {"hf-assisted": "draft"}
 
 
 def combined_parts(spec: str) -> list[str]:
@@ -32,6 +34,7 @@ def combined_parts(spec: str) -> list[str]:
 def checkpoint_path(kind: str, path: str) -> str:
     """The checkpoint folder a spec names: 'default' is the drafter shipped for the default
     target (a one-line error when none of that kind is shipped); any other path as given."""
+    kind = SHIPPED_ALIASES.get(kind, kind)
     if path == "default" and kind in SHIPPED_KINDS:
         from ..assets import shipped
 

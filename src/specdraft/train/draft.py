@@ -332,13 +332,18 @@ def shape_of(draft) -> DraftShape:
                       intermediate=int(getattr(cfg, "intermediate_size", 0) or 0), tie_embeddings=tied)
 
 
-def save_draft(draft, tokenizer, folder: Path, meta: dict) -> Path:
-    """A Hugging Face folder: config.json, model.safetensors, generation_config.json, the
-    tokenizer files, and ``specdraft.json`` (``meta``)."""
+def save_draft(draft, tokenizer, folder: Path, meta: dict, dtype: str = "float32") -> Path:
+    """A Hugging Face folder: config.json, model.safetensors (in ``dtype``; the config's
+    dtype says so, and loaders upcast as they like), generation_config.json, the tokenizer
+    files, and ``specdraft.json`` (``meta``). ``draft`` itself is left unchanged."""
+    import copy
+
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     from ..cli import quiet_loading
 
+    if dtype != "float32":
+        draft = copy.deepcopy(draft).to(getattr(torch, dtype))  # a copy: the caller may keep training
     draft.config.architectures = [type(draft).__name__]
     with quiet_loading():
         draft.save_pretrained(str(folder), safe_serialization=True)
@@ -947,7 +952,8 @@ def run(args) -> int:
                 "target_parameters": facts.parameters, "parameters": n_draft,
                 "fraction": round(n_draft / facts.parameters, 5), "shape": asdict(shape), "init": init,
                 "stages": history + [stage]}
-        final = save_draft(accelerator.unwrap_model(model).draft, target.tokenizer, out / "final", meta)
+        final = save_draft(accelerator.unwrap_model(model).draft, target.tokenizer, out / "final", meta,
+                           dtype=args.save_dtype)
         return final, "draft"
 
     return finish_run(accelerator, main, finished, state, plan, save)
