@@ -46,18 +46,21 @@ def check(smol, cases, results):
         print("tolerated numerical ties:", "; ".join(ties))
 
 
-def drafters(smol, cases):
+def make_drafter(smol, cases, name):
+    """The drafter ``name``, built alone (the shipped ones load their checkpoint)."""
     oracle = {i: prompt + ref for i, (prompt, ref) in enumerate(cases)}
-    return {
-        "none": NoDrafter(),
-        "lookup": LookupDrafter(beam_width=2, beam_length=6),
-        "random-beams": RandomBeamsDrafter(smol.vocab_size, beam_width=4, beam_length=5, seed=1, oracle=oracle),
+    factories = {
+        "none": NoDrafter,
+        "lookup": lambda: LookupDrafter(beam_width=2, beam_length=6),
+        "random-beams": lambda: RandomBeamsDrafter(smol.vocab_size, beam_width=4, beam_length=5, seed=1,
+                                                   oracle=oracle),
         # The trained ReDrafter head shipped for this target, alone and with lookup.
-        "shipped-redrafter": build_drafter("redrafter:default", smol),
-        "lookup+shipped-redrafter": build_drafter("lookup+redrafter:default", smol),
+        "shipped-redrafter": lambda: build_drafter("redrafter:default", smol),
+        "lookup+shipped-redrafter": lambda: build_drafter("lookup+redrafter:default", smol),
         # The draft model shipped for this target (Direct Alignment), a chain of 3 tokens.
-        "shipped-draft": build_drafter("draft:default", smol, gamma=3),
+        "shipped-draft": lambda: build_drafter("draft:default", smol, gamma=3),
     }
+    return factories[name]()
 
 
 TRAINED = {"shipped-redrafter": 1.12, "lookup+shipped-redrafter": 1.12, "shipped-draft": 1.06}
@@ -65,7 +68,7 @@ TRAINED = {"shipped-redrafter": 1.12, "lookup+shipped-redrafter": 1.12, "shipped
 
 @pytest.mark.parametrize("name", ["none", "lookup", "random-beams", *TRAINED])
 def test_greedy_parity_batch1(smol, cases, name):
-    engine = SpeculativeEngine(smol, drafters(smol, cases)[name], max_tree_tokens=None)
+    engine = SpeculativeEngine(smol, make_drafter(smol, cases, name), max_tree_tokens=None)
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
     results = [run_alone(engine, prompt, params, i) for i, (prompt, _) in enumerate(cases)]
     check(smol, cases, results)
@@ -90,7 +93,7 @@ def run_alone(engine, prompt, params, case):
 
 @pytest.mark.parametrize("name", ["lookup", "random-beams", "shipped-redrafter", "shipped-draft"])
 def test_greedy_parity_batch4(smol, cases, name):
-    engine = SpeculativeEngine(smol, drafters(smol, cases)[name], max_tree_tokens=None)
+    engine = SpeculativeEngine(smol, make_drafter(smol, cases, name), max_tree_tokens=None)
     for start in range(0, len(cases), 4):
         group = cases[start: start + 4]
         if engine.drafter.name == "random-beams":  # its oracle is keyed by row id within the batch
