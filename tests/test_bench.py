@@ -353,3 +353,26 @@ def test_sweep_records_shipped_drafters_in_their_folder():
     assert record_path("draft:default") == shipped("draft") / "config.json"
     assert record_path("redrafter:default") == shipped("redrafter") / "config.json"
     assert record_path("draft:some/folder") == Path("some/folder/config.json")
+
+
+def test_head_table_script_pivots_bench_rows(tmp_path):
+    """scripts/head_table.py: one row per head, a τ / speed-up cell per beam shape."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("head_table", Path(__file__).parents[1] / "scripts" / "head_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    runs = [{"drafter": "none", "status": "ok"},
+            {"drafter": "redrafter:a@1x2", "status": "ok", "beam_width": 1, "beam_length": 2,
+             "tokens_per_step": 1.25, "speedup_vs_ar": 1.1},
+            {"drafter": "redrafter:a@4x3", "status": "ok", "beam_width": 4, "beam_length": 3,
+             "tokens_per_step": 1.5, "speedup_vs_ar": 0.9},
+            {"drafter": "redrafter:ab@4x3", "status": "ok", "beam_width": 4, "beam_length": 3,
+             "tokens_per_step": 9.0, "speedup_vs_ar": 9.0},
+            {"drafter": "medusa:b@4x3", "status": "failed", "beam_width": 4, "beam_length": 3}]
+    rows = module.head_rows(runs, "redrafter:a")
+    assert [r["drafter"] for r in rows] == ["redrafter:a@1x2", "redrafter:a@4x3"]
+    text = module.table({"ReDrafter": rows, "Medusa": module.head_rows(runs, "medusa:b")})
+    assert text.splitlines()[0] == "| head | W=1 L=2 | W=4 L=3 |"
+    assert text.splitlines()[2] == "| ReDrafter | 1.25 / 1.10× | 1.50 / 0.90× |"
+    assert text.splitlines()[3] == "| Medusa | – | – |"

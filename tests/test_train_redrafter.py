@@ -110,6 +110,60 @@ def test_objective_logits_equal_the_heads_teacher_forced_logits(tiny_target, arc
     assert torch.equal(tcols[valid], (batch.cols[:, None] + 1 + torch.arange(K)).expand_as(tcols)[valid])
 
 
+class RightForDepths:
+    """A stand-in head objective whose top-1 guess is right at depths < m and wrong after:
+    under teacher forcing the depth-i label is the token fed at depth i + 1 (token 0 never
+    occurs in the data, so guessing 0 is always wrong)."""
+
+    def __init__(self, V: int, m: int):
+        self.V, self.m, self.training = V, m, False
+
+    def depth_logits(self, hidden, inputs, valid):
+        for i in range(inputs.shape[1]):
+            guess = inputs[valid[:, i], i + 1] if i < self.m else torch.zeros_like(inputs[valid[:, i], 0])
+            yield i, torch.nn.functional.one_hot(guess, self.V).float() * 10.0
+
+
+@pytest.mark.parametrize("m", [0, 1, 3])
+def test_heldout_evaluator_replays_the_greedy_walk(tiny_target, m):
+    """Per-depth accuracy, and τ_L from the engine's walk: at t the step emits x_{t+1} plus
+    the first min(r_t, L - 1) drafted tokens (r_t = leading right guesses, cut where the
+    answer ends), over each answer (two answers in the last example: a multi-turn one)."""
+    from specdraft.train.redrafter import HeadEvaluator
+
+    K, V = 4, tiny_target.vocab_size
+    g = torch.Generator().manual_seed(7)
+    examples = []
+    for n, T in enumerate((11, 7, 16)):
+        ids = torch.randint(1, V, (T,), generator=g).tolist()
+        labels = [IGNORE] * (1 + n) + ids[1 + n:]
+        if n == 2:
+            labels[9:11] = [IGNORE, IGNORE]  # a user turn between two answers
+        examples.append(Example(key=str(n), input_ids=ids, labels=labels))
+    evaluator = HeadEvaluator(examples, tiny_target, K, batch_size=2)
+    found = evaluator.fields(evaluator.sums(RightForDepths(V, m)))
+    for i in range(K):
+        assert found[f"eval_acc1_{i}"] == (1.0 if i < m else 0.0)
+    for L in range(2, K + 2):
+        tokens = steps = 0
+        for e in examples:
+            y = e.labels
+            trained = [t for t, v in enumerate(y) if v != IGNORE]
+            t = trained[0] - 1
+            while t + 1 < len(y):
+                if y[t + 1] == IGNORE:  # between answers: skip to the next answer's start
+                    t += 1
+                    continue
+                r = 0
+                while r < min(m, L - 1) and t + 2 + r < len(y) and y[t + 2 + r] != IGNORE:
+                    r += 1
+                tokens, steps, t = tokens + 1 + r, steps + 1, t + 1 + r
+        assert tokens == sum(len([v for v in e.labels if v != IGNORE]) for e in examples)
+        assert found[f"eval_tau_w1_l{L}"] == pytest.approx(tokens / steps, abs=1e-4)
+        if m == 0:
+            assert found[f"eval_tau_w1_l{L}"] == 1.0
+
+
 def test_plan_covers_every_example_once_per_epoch():
     plan = Plan(num_examples=10, batch_size=2, grad_accum=2, num_processes=2, epochs=2, max_steps=None, seed=1)
     assert plan.micro_per_epoch == 3 and plan.steps_per_epoch == 2 and plan.total_steps == 4
@@ -126,8 +180,10 @@ def test_plan_covers_every_example_once_per_epoch():
 @pytest.mark.parametrize("arch", ["redrafter", "medusa"])
 def test_training_lowers_the_loss_and_saves_an_exact_drafter(tiny_target_path, tiny_target, data, tmp_path, arch):
     out = tmp_path / "run"
+    held = heldout_sharegpt(tmp_path / "held.json")
     assert train(tiny_target_path, data, out, "--arch", arch, "--epochs", "6", "--lr", "1e-2",
-                 "--log-every", "6", "--save-every", "100", "-K", "4") == 0
+                 "--log-every", "6", "--save-every", "100", "-K", "4", "--eval-data", str(held),
+                 "--eval-every", "12") == 0
     log = log_entries(out)
     assert log[-1]["step"] == 36 and log[-1]["loss"] < 0.6 * log[0]["loss"]
     assert log[-1]["acc1_0"] > log[0]["acc1_0"] and {"ce_3", "acc5_3", "lr", "tokens"} <= set(log[0])
@@ -137,6 +193,25 @@ def test_training_lowers_the_loss_and_saves_an_exact_drafter(tiny_target_path, t
     assert config["training"]["data"]["source"] == "sharegpt"
     drafter = build_drafter(f"{arch}:{out / 'final'}", tiny_target)
     assert greedy(tiny_target, drafter) == greedy(tiny_target, NoDrafter())
+    # Held-out scores (conversations of ShareGPT's held-out split, never trained on):
+    # before training, every 12 steps, and at the end; the cyclic answers are learnt.
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 12, 24, 36]
+    assert evals[-1]["eval_acc1_0"] > evals[0]["eval_acc1_0"] + 0.3
+    assert 1.0 < evals[-1]["eval_tau_w1_l5"] <= 5.0 and evals[-1]["eval_tokens"] > 0
+    assert config["training"]["heldout_examples"] == 8
+
+
+def heldout_sharegpt(path: Path, n: int = 8) -> Path:
+    """Cyclic conversations whose ids all fall in ShareGPT's held-out split."""
+    from specdraft.data.sharegpt import split_of
+
+    ids = [f"h{i}" for i in range(100000) if split_of(f"h{i}") == "heldout"][:n]
+    records = json.loads(cyclic_sharegpt(path, n=n, seed=1).read_text())
+    for record, cid in zip(records, ids):
+        record["id"] = cid
+    path.write_text(json.dumps(records))
+    return path
 
 
 def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(tiny_target_path, data, tmp_path):
@@ -198,6 +273,9 @@ def test_refusals(tiny_target_path, data, tmp_path, capsys):
     assert train(tiny_target_path, data, tmp_path / "x", "--arch", "medusa", "--head", "shared",
                  "--num-blocks", "0") == 2
     assert train(tiny_target_path, tmp_path / "missing.jsonl", tmp_path / "x") == 2
+    assert train(tiny_target_path, data, tmp_path / "x", "--eval-data", str(tmp_path / "missing.jsonl")) == 2
+    assert train(tiny_target_path, data, tmp_path / "x", "--eval-data", str(data), "--eval-examples", "0") == 2
+    assert "--eval-examples" in capsys.readouterr().err
 
 
 # ---- two processes ------------------------------------------------------------------------

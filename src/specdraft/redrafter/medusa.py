@@ -96,11 +96,14 @@ class MedusaHeads(nn.Module):
         """hidden (..., d) -> (..., K', V) float32 logits of the first K' heads
         (K' = num_heads or all K)."""
         hidden = hidden.to(self.dtype)
-        out = []
-        for head in self.heads[: num_heads or len(self.heads)]:
-            u = head.features(hidden)
-            out.append(head.out(u).float() if self.config.head == "own" else self.parts.logits(u))
-        return torch.stack(out, dim=-2)
+        return torch.stack([self.head_logits(k, hidden) for k in range(num_heads or len(self.heads))], dim=-2)
+
+    def head_logits(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Head k alone: hidden (..., d) -> (..., V) float32 (training scores each head only
+        at the rows that have its label)."""
+        head = self.heads[k]
+        u = head.features(hidden.to(self.dtype))
+        return head.out(u).float() if self.config.head == "own" else self.parts.logits(u)
 
     def teacher_forced_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (B, T, d) -> (B, T, K, V): out[b, t, i] predicts x_{t+2+i}

