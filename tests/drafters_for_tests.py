@@ -73,3 +73,24 @@ class SampledChainDrafter(Drafter):
         valid = torch.ones_like(beams, dtype=torch.bool)
         dev = ctx.g0.device
         return Proposal(beams=beams.to(dev), valid=valid.to(dev), q=q.to(dev))
+
+
+def greedy_answer_file(target, prompts: list[list[dict]], path, new_tokens: int = 24):
+    """A distill-format JSONL of the target's greedy answers to ``prompts`` (chat messages),
+    ``new_tokens`` each (EOS ignored: the tiny random targets stop early otherwise), and
+    the answers' records."""
+    import json
+
+    from specdraft import SamplingParams, SpeculativeEngine
+    from specdraft.data.chat import encode_prompt
+    from specdraft.drafters import NoDrafter
+
+    engine = SpeculativeEngine(target, NoDrafter())
+    records = []
+    for n, messages in enumerate(prompts):
+        ids = encode_prompt(target.tokenizer, messages)
+        out = engine.generate([ids], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))[0]
+        records.append({"kind": "response", "prompt_id": f"p{n}", "prompt": messages, "response_ids": out.token_ids,
+                        "temperature": 0.0})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records

@@ -190,6 +190,43 @@ def test_finetune_lowers_the_loss_and_raises_heldout_acceptance(tiny_target_path
     assert config["stages"][-1]["data"]["heldout_records"] > 0
 
 
+def test_heldout_greedy_walk_is_the_engines_greedy_tau(tiny_target_path, tiny_target, distilled, tmp_path):
+    """The evaluator's replayed walk on the target's greedy answers gives the engine's own
+    greedy τ at each γ: the same tokens, and steps within one per answer (the engine's
+    prefill emits the first token alone)."""
+    from drafters_for_tests import greedy_answer_file
+
+    from specdraft.data.sharegpt import iter_conversations
+    from specdraft.train.draft import Evaluator
+    from specdraft.train.examples import record_examples
+
+    answers = tmp_path / "answers.jsonl"
+    prompts = [c.messages[:1] for c in iter_conversations(sharegpt(tmp_path / "sg.json"), "train")][:10]
+    records = greedy_answer_file(tiny_target, prompts, answers)
+    out = tmp_path / "ft"
+    assert train(tiny_target_path, out, "--stage", "finetune", "--data", str(answers), "--epochs", "6",
+                 "--lr", "2e-2", "--heldout-fraction", "0", *SMALL) == 0
+    examples = record_examples(records, tiny_target.tokenizer, 1024, 1, {"path": str(answers)})
+    examples = [examples[i] for i in range(len(examples))]
+    draft, _ = load_draft(out / "final", tiny_target)
+    evaluator = Evaluator(examples, tiny_target, batch_size=4, chunk=64, gamma=3, target_parameters=1)
+    found = evaluator.fields(evaluator.sums(draft).tolist(), draft)
+    answer_tokens = sum(len(r["response_ids"]) for r in records)
+    for gamma in (1, 2, 3):
+        engine = SpeculativeEngine(tiny_target, DraftModelDrafter.load(out / "final", tiny_target, gamma=gamma))
+        steps = 0
+        for r, e in zip(records, examples):
+            prompt = e.input_ids[: len(e.input_ids) - len(r["response_ids"])]
+            params = SamplingParams(max_new_tokens=len(r["response_ids"]), ignore_eos=True)
+            result = engine.generate([prompt], params)[0]
+            assert result.token_ids == r["response_ids"]
+            steps += result.steps
+        walk_steps = answer_tokens / found[f"eval_tau_walk_g{gamma}"]
+        print(gamma, steps, walk_steps)
+        assert abs(steps - walk_steps) < 0.05, (gamma, steps, walk_steps)
+    assert found["eval_tau_walk_g3"] > 1.0  # the draft does get some right: the check has teeth
+
+
 def test_on_policy_finetune(tiny_target_path, distilled, tmp_path):
     """Prompts continued by the draft itself, scored by the target."""
     out = tmp_path / "onp"

@@ -126,9 +126,10 @@ class RightForDepths:
 
 @pytest.mark.parametrize("m", [0, 1, 3])
 def test_heldout_evaluator_replays_the_greedy_walk(tiny_target, m):
-    """Per-depth accuracy, and τ_L from the engine's walk: at t the step emits x_{t+1} plus
-    the first min(r_t, L - 1) drafted tokens (r_t = leading right guesses, cut where the
-    answer ends), over each answer (two answers in the last example: a multi-turn one)."""
+    """Per-depth accuracy, and τ_L from the engine's walk: a prefill step emits an answer's
+    first token; a step at t emits min(r_t, L - 1) drafted tokens (r_t = leading right
+    guesses, cut where the answer ends) and the target's next one; over each answer (two
+    answers in the last example: a multi-turn one)."""
     from specdraft.train.redrafter import HeadEvaluator
 
     K, V = 4, tiny_target.vocab_size
@@ -147,21 +148,58 @@ def test_heldout_evaluator_replays_the_greedy_walk(tiny_target, m):
     for L in range(2, K + 2):
         tokens = steps = 0
         for e in examples:
-            y = e.labels
-            trained = [t for t, v in enumerate(y) if v != IGNORE]
-            t = trained[0] - 1
-            while t + 1 < len(y):
-                if y[t + 1] == IGNORE:  # between answers: skip to the next answer's start
-                    t += 1
-                    continue
-                r = 0
-                while r < min(m, L - 1) and t + 2 + r < len(y) and y[t + 2 + r] != IGNORE:
-                    r += 1
-                tokens, steps, t = tokens + 1 + r, steps + 1, t + 1 + r
+            y = e.labels + [IGNORE]
+            starts = [t for t in range(len(e.labels)) if y[t] != IGNORE and (t == 0 or y[t - 1] == IGNORE)]
+            for first in starts:  # each answer: the prefill emits its first token
+                last = next(t for t in range(first, len(y)) if y[t + 1] == IGNORE)
+                t, tokens, steps = first - 1, tokens + 1, steps + 1
+                while t + 2 <= last:  # x_{t+2}..x_{t+2+r}: r right guesses and the target's token
+                    r = 0
+                    while r < min(m, L - 1, last - t - 2) and y[t + 2 + r] != IGNORE:
+                        r += 1
+                    tokens, steps, t = tokens + 1 + r, steps + 1, t + 1 + r
         assert tokens == sum(len([v for v in e.labels if v != IGNORE]) for e in examples)
         assert found[f"eval_tau_w1_l{L}"] == pytest.approx(tokens / steps, abs=1e-4)
         if m == 0:
             assert found[f"eval_tau_w1_l{L}"] == 1.0
+
+
+@pytest.mark.parametrize("arch", ["redrafter", "medusa"])
+def test_heldout_walk_is_the_engines_greedy_tau(tiny_target_path, tiny_target, data, tmp_path, arch):
+    """On the target's greedy answers the evaluator's τ_L is the engine's own greedy τ at
+    W = 1: the same tokens, and steps within one per answer (the engine's prefill emits
+    the first token alone)."""
+    from accelerate import Accelerator
+
+    from specdraft.train.examples import record_examples
+    from specdraft.train.redrafter import HeadEvaluator
+
+    from drafters_for_tests import greedy_answer_file
+
+    answers = tmp_path / "answers.jsonl"
+    prompts = [c.messages[:1] for c in iter_conversations(data, "train")][:10]
+    records = greedy_answer_file(tiny_target, prompts, answers)
+    out = tmp_path / "run"
+    assert train(tiny_target_path, answers, out, "--arch", arch, "--epochs", "8", "--lr", "1e-2", "-K", "3",
+                 "--save-every", "100") == 0
+    examples = record_examples(records, tiny_target.tokenizer, 64, 3, {"path": str(answers)})
+    examples = [examples[i] for i in range(len(examples))]
+    head = (ReDrafterHead if arch == "redrafter" else MedusaHeads).load(out / "final", tiny_target)
+    found = HeadEvaluator(examples, tiny_target, 3, batch_size=4)(Accelerator(cpu=True), HeadObjective(head, 3))
+    answer_tokens = sum(len(r["response_ids"]) for r in records)
+    for L in (2, 3, 4):
+        engine = SpeculativeEngine(tiny_target, build_drafter(f"{arch}:{out / 'final'}", tiny_target, beam_width=1,
+                                                              beam_length=L), max_tree_tokens=None)
+        steps = 0
+        for r, e in zip(records, examples):
+            prompt = e.input_ids[: len(e.input_ids) - len(r["response_ids"])]
+            params = SamplingParams(max_new_tokens=len(r["response_ids"]), ignore_eos=True)
+            result = engine.generate([prompt], params)[0]
+            assert result.token_ids == r["response_ids"]
+            steps += result.steps
+        walk_steps = answer_tokens / found[f"eval_tau_w1_l{L}"]
+        assert abs(steps - walk_steps) < 0.05, (L, steps, walk_steps)
+    assert found["eval_tau_w1_l4"] > 1.2  # the head does get some right: the check has teeth
 
 
 def test_plan_covers_every_example_once_per_epoch():

@@ -27,8 +27,10 @@ checkpoints, JSONL log). Every ``--eval-every`` steps (and before the first and 
 last) the draft is scored against the target on held-out sequences: cross-entropy, KL,
 the acceptance rate α = mean of 1 − TV(p, q) at temperature 1 (the per-token acceptance
 probability of speculative sampling), the greedy acceptance (argmax agreement), the
-i.i.d. block efficiency τ = (1 − α^(γ+1)) / (1 − α) at ``--gamma`` and the memory-bound
-speed-up τ / (1 + γ N_draft / N_target) (``bench.metrics.mbsu``).
+i.i.d. block efficiency τ = (1 − α^(γ+1)) / (1 − α) at ``--gamma``, the memory-bound
+speed-up τ / (1 + γ N_draft / N_target) (``bench.metrics.mbsu``), and the greedy τ at
+γ = 1..gamma from the engine's walk replayed over the held-out answers (``train.walk``:
+the engine's own greedy τ when they are the target's greedy answers).
 
 Default size (docs/draft_model.md): 4 layers (the paper's drafter), the widest hidden
 size that is a multiple of the target's head dimension, at most min(target hidden, 1024),
@@ -56,6 +58,7 @@ from ..errors import SpecdraftError
 from .common import JsonLog, LoopOptions, finish_run, Plan, TrainState, cosine_schedule, describe, make_accelerator, train_loop
 from .examples import Example
 from .losses import forward_kl, iid_block_efficiency, kd_loss, log_probs, total_variation
+from .walk import greedy_walk, labelled_spans, streaks
 
 STAGES = ("pretrain", "finetune")
 SPECDRAFT_FILE = "specdraft.json"
@@ -507,25 +510,39 @@ class Evaluator:
 
     @torch.no_grad()
     def sums(self, draft, rank: int = 0, world: int = 1) -> torch.Tensor:
+        """EVAL_STATS sums, then (tokens, steps) of the greedy walk (``train.walk``) at
+        γ = 1..gamma: r_t = how many of the draft's next guesses after x_{t+1} agree with
+        the target's argmax in a row."""
         device = self.target.device
         totals = torch.zeros(len(EVAL_STATS), dtype=torch.float64)
+        walks = torch.zeros(self.gamma, 2, dtype=torch.float64)
         mine = self.examples[rank::world]
         for start in range(0, len(mine), self.batch_size):
-            mb = collate_positions(mine[start: start + self.batch_size])
+            examples = mine[start: start + self.batch_size]
+            mb = collate_positions(examples)
             ids, mask = mb.input_ids.to(device), mb.attention_mask.to(device)
             th = self.target.base(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
             dh = draft.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
             rows, cols, y = mb.rows.to(device), mb.cols.to(device), mb.labels.to(device)
+            right = torch.zeros(mb.input_ids.shape, dtype=torch.bool)  # draft argmax = target argmax at (b, t)
             for s in range(0, len(rows), self.chunk):
                 r, c, yy = rows[s: s + self.chunk], cols[s: s + self.chunk], y[s: s + self.chunk]
                 logp = log_probs(self.target.logits(th[r, c]))
                 logq = log_probs(draft.get_output_embeddings()(dh[r, c].to(draft.dtype)))
+                agree = logp.argmax(-1) == logq.argmax(-1)
+                right[r.cpu(), c.cpu()] = agree.cpu()
                 totals += torch.tensor([-logq.gather(-1, yy[:, None]).sum().item(),
                                         forward_kl(logp, logq).sum().item(),
                                         total_variation(logp, logq).sum().item(),
-                                        (logp.argmax(-1) == logq.argmax(-1)).sum().item(), float(len(yy))],
+                                        agree.sum().item(), float(len(yy))],
                                        dtype=torch.float64)
-        return totals
+            for b, example in enumerate(examples):
+                # The step at t drafts from x_{t+1} on: its first guess is made at t + 1.
+                runs = torch.cat([streaks(right[b])[1:], torch.zeros(1, dtype=torch.long)])
+                for first, last in labelled_spans(example.labels):
+                    for g in range(1, self.gamma + 1):
+                        walks[g - 1] += torch.tensor(greedy_walk(runs, first, last, g), dtype=torch.float64)
+        return torch.cat([totals, walks.flatten()])
 
     def __call__(self, accelerator, draft) -> dict:
         was_training = draft.training
@@ -541,7 +558,8 @@ class Evaluator:
         from ..bench.metrics import mbsu
         from ..drafters.draft_model import parameter_count
 
-        ce, fkl, tv, agree, n = sums
+        ce, fkl, tv, agree, n = sums[: len(EVAL_STATS)]
+        walks = [sums[len(EVAL_STATS) + 2 * i: len(EVAL_STATS) + 2 * i + 2] for i in range(self.gamma)]
         if n <= 0:
             return {}
         alpha, greedy = 1.0 - tv / n, agree / n
@@ -550,7 +568,8 @@ class Evaluator:
                 "eval_accept": round(alpha, 4), "eval_greedy_accept": round(greedy, 4),
                 "eval_tau": round(tau, 4), "eval_tau_greedy": round(iid_block_efficiency(greedy, self.gamma), 4),
                 "eval_mbsu": round(mbsu(tau, self.gamma, parameter_count(draft), self.target_parameters), 4),
-                "eval_positions": int(n)}
+                "eval_positions": int(n),
+                **{f"eval_tau_walk_g{g}": round(tokens / max(steps, 1.0), 4) for g, (tokens, steps) in enumerate(walks, 1)}}
 
 
 # ---- the task (common.train_loop's model-specific half) ------------------------------------

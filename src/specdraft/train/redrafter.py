@@ -36,6 +36,7 @@ from .common import (JsonLog, LoopOptions, finish_run, Plan, TrainState, cosine_
                      latest_checkpoint, make_accelerator, train_loop)
 from .examples import Batch, ExampleSet, collate, load_examples
 from .hidden_cache import HiddenCache
+from .walk import greedy_walk, labelled_spans
 
 ARCHS = ("redrafter", "medusa")
 EVAL_LOG = "eval.jsonl"
@@ -125,14 +126,10 @@ class HeadEvaluator:
 
     Per depth i: CE, top-1 and top-k accuracy. And τ_L, the tokens per target forward a
     single greedy beam (W = 1) of length L gets, for L = 2..K+1, by replaying the engine's
-    greedy walk over each answer: at position t (the target has just chosen x_{t+1}) the
-    step emits x_{t+1} and the first min(r_t, L − 1) drafted tokens, then moves on to
-    t + 1 + that many; r_t = how many leading depths the head guesses right at t.
-
-    While the head guesses right it feeds itself the tokens teacher forcing feeds it, so on
-    the target's own greedy answers this is the engine's greedy τ at W = 1 (up to numerics:
-    the walk does not run the target); on other text, the τ the engine would get if the
-    target had written it. Each process scores every num_processes-th example; the sums
+    greedy walk over each answer (``train.walk``) with r_t = how many leading depths the
+    head guesses right at t: on the target's own greedy answers, the engine's greedy τ at
+    W = 1 (up to numerics: the walk does not run the target); on other text, the τ the
+    engine would get if the target had written it. Each process scores every num_processes-th example; the sums
     are reduced."""
 
     def __init__(self, examples: list, target, K: int, batch_size: int, topk: int = 5):
@@ -197,29 +194,6 @@ class HeadEvaluator:
             out[f"eval_tau_w1_l{j + 1}"] = round(tokens / max(steps, 1.0), 4)
         out["eval_tokens"] = int(walks[0][0])
         return out
-
-
-def labelled_spans(labels: list[int]) -> list[tuple[int, int]]:
-    """(first, last) index of each maximal run of trained tokens (an answer)."""
-    spans, first = [], None
-    for t, y in enumerate(list(labels) + [IGNORE]):
-        if y != IGNORE and first is None:
-            first = t
-        elif y == IGNORE and first is not None:
-            spans.append((first, t - 1))
-            first = None
-    return spans
-
-
-def greedy_walk(runs: torch.Tensor, first: int, last: int, depth: int) -> tuple[int, int]:
-    """(tokens, steps) of the engine's walk over the answer x_first..x_last with drafts of
-    ``depth`` tokens: a step at t emits x_{t+1} and min(r_t, depth) more (never past
-    x_last: the runs stop where the labels do)."""
-    t, tokens, steps = first - 1, 0, 0
-    while t + 1 <= last:
-        advance = 1 + min(int(runs[t]), depth, last - t - 1)
-        tokens, steps, t = tokens + advance, steps + 1, t + advance
-    return tokens, steps
 
 
 class HeadTask:
