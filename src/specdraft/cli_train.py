@@ -89,8 +89,8 @@ def add_train_redrafter(subparsers) -> None:
     g.add_argument("--topk", type=int, default=5, metavar="k", help="log top-k accuracy (default: %(default)s)")
     g.add_argument("--eval-data", metavar="FILE.jsonl|sharegpt|FILE.json",
                    help="held-out sequences scored before training, every --eval-every steps and at the end "
-                        "(per-depth accuracy, estimated τ; eval.jsonl): a distill file the training never saw, "
-                        "or ShareGPT's held-out split")
+                        "(per-depth accuracy, greedy τ by replaying the engine; eval.jsonl): a distill file the "
+                        "training never saw, or ShareGPT's held-out split")
     g.add_argument("--eval-every", type=int, default=0, metavar="N", help="0: only before and after training "
                    "(default: %(default)s)")
     g.add_argument("--eval-examples", type=int, default=64, metavar="N", help="held-out sequences scored "

@@ -129,8 +129,8 @@ class HeadEvaluator:
     greedy walk over each answer (``train.walk``) with r_t = how many leading depths the
     head guesses right at t: on the target's own greedy answers, the engine's greedy τ at
     W = 1 (up to numerics: the walk does not run the target); on other text, the τ the
-    engine would get if the target had written it. Each process scores every num_processes-th example; the sums
-    are reduced."""
+    engine would get if the target had written it. Each process scores every
+    num_processes-th example; the sums are reduced."""
 
     def __init__(self, examples: list, target, K: int, batch_size: int, topk: int = 5):
         self.examples, self.target, self.K = examples, target, K
