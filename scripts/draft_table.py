@@ -16,6 +16,8 @@ import json
 import re
 from pathlib import Path
 
+from specdraft.bench.report import md_table
+
 GAMMA = re.compile(r"^draft:.*@g(\d+)$")
 
 
@@ -40,11 +42,8 @@ def table(models: dict[str, list[dict]]) -> str:
             key = (r["dataset"], int(GAMMA.match(r["drafter"]).group(1)), float(r["temperature"]))
             cells.setdefault(key, {})[label] = f"{r['block_efficiency']:.2f} / {r['mbsu']:.2f}"
     columns = sorted(cells)
-    head = "| draft model | " + " | ".join(f"{d} γ={g} {mode(t)}" for d, g, t in columns) + " |"
-    rule = "|---|" + "---|" * len(columns)
-    body = ["| " + label + " | " + " | ".join(cells[c].get(label, "–") for c in columns) + " |"
-            for label in models]
-    return "\n".join([head, rule, *body])
+    return "\n".join(md_table(["draft model", *(f"{d} γ={g} {mode(t)}" for d, g, t in columns)],
+                              [[label, *(cells[c].get(label, "–") for c in columns)] for label in models]))
 
 
 def main() -> None:

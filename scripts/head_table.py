@@ -16,6 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
+from specdraft.bench.report import md_table
+
 
 def shape_of(row: dict) -> tuple[int, int]:
     return int(row["beam_width"]), int(row["beam_length"])
@@ -34,11 +36,8 @@ def table(heads: dict[str, list[dict]]) -> str:
             speedup = "–" if r.get("speedup_vs_ar") is None else f"{r['speedup_vs_ar']:.2f}×"
             cells.setdefault(shape_of(r), {})[label] = f"{r['tokens_per_step']:.2f} / {speedup}"
     columns = sorted(cells)
-    head = "| head | " + " | ".join(f"W={w} L={l}" for w, l in columns) + " |"
-    rule = "|---|" + "---|" * len(columns)
-    body = ["| " + label + " | " + " | ".join(cells[c].get(label, "–") for c in columns) + " |"
-            for label in heads]
-    return "\n".join([head, rule, *body])
+    return "\n".join(md_table(["head", *(f"W={w} L={l}" for w, l in columns)],
+                              [[label, *(cells[c].get(label, "–") for c in columns)] for label in heads]))
 
 
 def main() -> None:

@@ -94,3 +94,18 @@ def greedy_answer_file(target, prompts: list[list[dict]], path, new_tokens: int 
                         "temperature": 0.0})
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return records
+
+
+def engine_forwards(target, drafter, records: list[dict], examples) -> int:
+    """Target forwards the engine takes to write each record's answer again (greedy, EOS
+    ignored, prompt = the example's tokens before the answer), asserting the same tokens."""
+    from specdraft import SamplingParams, SpeculativeEngine
+
+    engine = SpeculativeEngine(target, drafter, max_tree_tokens=None)
+    steps = 0
+    for r, e in zip(records, examples):
+        prompt = e.input_ids[: len(e.input_ids) - len(r["response_ids"])]
+        result = engine.generate([prompt], SamplingParams(max_new_tokens=len(r["response_ids"]), ignore_eos=True))[0]
+        assert result.token_ids == r["response_ids"]
+        steps += result.steps
+    return steps

@@ -194,7 +194,7 @@ def test_heldout_greedy_walk_is_the_engines_greedy_tau(tiny_target_path, tiny_ta
     """The evaluator's replayed walk on the target's greedy answers gives the engine's own
     greedy τ at each γ: the same tokens, and steps within one per answer (the engine's
     prefill emits the first token alone)."""
-    from drafters_for_tests import greedy_answer_file
+    from drafters_for_tests import engine_forwards, greedy_answer_file
 
     from specdraft.data.sharegpt import iter_conversations
     from specdraft.train.draft import Evaluator
@@ -213,16 +213,9 @@ def test_heldout_greedy_walk_is_the_engines_greedy_tau(tiny_target_path, tiny_ta
     found = evaluator.fields(evaluator.sums(draft).tolist(), draft)
     answer_tokens = sum(len(r["response_ids"]) for r in records)
     for gamma in (1, 2, 3):
-        engine = SpeculativeEngine(tiny_target, DraftModelDrafter.load(out / "final", tiny_target, gamma=gamma))
-        steps = 0
-        for r, e in zip(records, examples):
-            prompt = e.input_ids[: len(e.input_ids) - len(r["response_ids"])]
-            params = SamplingParams(max_new_tokens=len(r["response_ids"]), ignore_eos=True)
-            result = engine.generate([prompt], params)[0]
-            assert result.token_ids == r["response_ids"]
-            steps += result.steps
+        steps = engine_forwards(tiny_target, DraftModelDrafter.load(out / "final", tiny_target, gamma=gamma),
+                                records, examples)
         walk_steps = answer_tokens / found[f"eval_tau_walk_g{gamma}"]
-        print(gamma, steps, walk_steps)
         assert abs(steps - walk_steps) < 0.05, (gamma, steps, walk_steps)
     assert found["eval_tau_walk_g3"] > 1.0  # the draft does get some right: the check has teeth
 

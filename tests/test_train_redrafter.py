@@ -174,7 +174,7 @@ def test_heldout_walk_is_the_engines_greedy_tau(tiny_target_path, tiny_target, d
     from specdraft.train.examples import record_examples
     from specdraft.train.redrafter import HeadEvaluator
 
-    from drafters_for_tests import greedy_answer_file
+    from drafters_for_tests import engine_forwards, greedy_answer_file
 
     answers = tmp_path / "answers.jsonl"
     prompts = [c.messages[:1] for c in iter_conversations(data, "train")][:10]
@@ -188,15 +188,8 @@ def test_heldout_walk_is_the_engines_greedy_tau(tiny_target_path, tiny_target, d
     found = HeadEvaluator(examples, tiny_target, 3, batch_size=4)(Accelerator(cpu=True), HeadObjective(head, 3))
     answer_tokens = sum(len(r["response_ids"]) for r in records)
     for L in (2, 3, 4):
-        engine = SpeculativeEngine(tiny_target, build_drafter(f"{arch}:{out / 'final'}", tiny_target, beam_width=1,
-                                                              beam_length=L), max_tree_tokens=None)
-        steps = 0
-        for r, e in zip(records, examples):
-            prompt = e.input_ids[: len(e.input_ids) - len(r["response_ids"])]
-            params = SamplingParams(max_new_tokens=len(r["response_ids"]), ignore_eos=True)
-            result = engine.generate([prompt], params)[0]
-            assert result.token_ids == r["response_ids"]
-            steps += result.steps
+        drafter = build_drafter(f"{arch}:{out / 'final'}", tiny_target, beam_width=1, beam_length=L)
+        steps = engine_forwards(tiny_target, drafter, records, examples)
         walk_steps = answer_tokens / found[f"eval_tau_w1_l{L}"]
         assert abs(steps - walk_steps) < 0.05, (L, steps, walk_steps)
     assert found["eval_tau_w1_l4"] > 1.2  # the head does get some right: the check has teeth

@@ -54,6 +54,15 @@ def add_loop_args(p, epochs: int, lr: float | None, lr_help: str, trained: str, 
 # ---- train redrafter --------------------------------------------------------------------
 
 
+def add_schedule_args(g, every: int) -> None:
+    """--eval-every and --eval-examples: when the held-out set is scored, and how much of it."""
+    g.add_argument("--eval-every", type=int, default=every, metavar="N", help="score the held-out set every N "
+                   "steps (at a logged step), before the first and after the last; 0: first and last only "
+                   "(default: %(default)s)")
+    g.add_argument("--eval-examples", type=int, default=64, metavar="N", help="held-out sequences scored "
+                   "(default: %(default)s)")
+
+
 def add_train_redrafter(subparsers) -> None:
     p = subparsers.add_parser(
         "redrafter", help="train a ReDrafter head (or Medusa heads) on a frozen target",
@@ -91,10 +100,7 @@ def add_train_redrafter(subparsers) -> None:
                    help="held-out sequences scored before training, every --eval-every steps and at the end "
                         "(per-depth accuracy, greedy τ by replaying the engine; eval.jsonl): a distill file the "
                         "training never saw, or ShareGPT's held-out split")
-    g.add_argument("--eval-every", type=int, default=0, metavar="N", help="0: only before and after training "
-                   "(default: %(default)s)")
-    g.add_argument("--eval-examples", type=int, default=64, metavar="N", help="held-out sequences scored "
-                   "(default: %(default)s)")
+    add_schedule_args(g, every=0)
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run_train_redrafter)
 
@@ -177,11 +183,7 @@ def add_train_draft(subparsers) -> None:
     g.add_argument("--loss-chunk", type=int, default=1024, metavar="N", help="positions whose full-vocabulary "
                    "distributions are in memory at once (default: %(default)s)")
     g = p.add_argument_group("evaluation")
-    g.add_argument("--eval-every", type=int, default=200, metavar="N", help="score the held-out set every N "
-                   "steps (at a logged step), before the first and after the last; 0: first and last only "
-                   "(default: %(default)s)")
-    g.add_argument("--eval-examples", type=int, default=64, metavar="N", help="held-out sequences scored "
-                   "(default: %(default)s)")
+    add_schedule_args(g, every=200)
     g.add_argument("--gamma", type=int, default=4, metavar="G", help="draft length for the estimated block "
                    "efficiency and memory-bound speed-up (default: %(default)s)")
     add_loop_args(p, epochs=1, lr=None, lr_help="(default: 1e-3 pretrain, 3e-4 finetune)", trained="the draft",

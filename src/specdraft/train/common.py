@@ -218,6 +218,49 @@ class JsonLog:
                 f.write(json.dumps(entry) + "\n")
 
 
+# ---- held-out evaluation ----------------------------------------------------------------
+
+
+class HeldOut:
+    """Held-out scoring on the training schedule: ``first()`` before the first step, then at
+    the first logged step at or past each multiple of ``every`` (0: none) and at the last
+    step. ``score()`` -> dict must be called by every process (its sums are reduced); each
+    score is written to ``log`` (eval.jsonl) with its step."""
+
+    def __init__(self, score, every: int, state: TrainState, total_steps: int, log: JsonLog):
+        self.score, self.every, self.state, self.total_steps, self.log = score, every, state, total_steps, log
+        self.next = (state.step // every + 1) * every if every else 0
+
+    def first(self) -> dict:
+        found = self.score()
+        self.log.write({"step": 0, **found})
+        return found
+
+    def at_log(self) -> dict:
+        """The scores if one is due at this (logged) step, else {}."""
+        step = self.state.step
+        if not ((self.every and step >= self.next) or step == self.total_steps):
+            return {}
+        found = self.score()
+        if self.every:
+            self.next = (step // self.every + 1) * self.every
+        if found:
+            self.log.write({"step": step, **found})
+        return found
+
+
+def reduced_sums(accelerator, module, sums) -> torch.Tensor:
+    """``sums(rank, world)`` -> tensor, computed with ``module`` in eval mode (its mode is
+    restored), summed over processes; float64 on the CPU."""
+    was_training = module.training
+    module.eval()
+    try:
+        local = sums(accelerator.process_index, accelerator.num_processes)
+    finally:
+        module.train(was_training)
+    return accelerator.reduce(local.float().to(accelerator.device), "sum").double().cpu()
+
+
 # ---- the loop ---------------------------------------------------------------------------
 
 

@@ -55,7 +55,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..data.chat import IGNORE
 from ..errors import SpecdraftError
-from .common import JsonLog, LoopOptions, finish_run, Plan, TrainState, cosine_schedule, describe, make_accelerator, train_loop
+from .common import (HeldOut, JsonLog, LoopOptions, finish_run, Plan, TrainState, cosine_schedule, describe,
+                     make_accelerator, reduced_sums, train_loop)
 from .examples import Example
 from .losses import forward_kl, iid_block_efficiency, kd_loss, log_probs, total_variation
 from .walk import greedy_walk, labelled_spans, streaks
@@ -545,14 +546,8 @@ class Evaluator:
         return torch.cat([totals, walks.flatten()])
 
     def __call__(self, accelerator, draft) -> dict:
-        was_training = draft.training
-        draft.eval()
-        try:
-            sums = self.sums(draft, accelerator.process_index, accelerator.num_processes)
-        finally:
-            draft.train(was_training)
-        sums = accelerator.reduce(sums.float().to(accelerator.device), "sum").double().tolist()
-        return self.fields(sums, draft)
+        return self.fields(reduced_sums(accelerator, draft, lambda rank, world: self.sums(draft, rank, world)).tolist(),
+                           draft)
 
     def fields(self, sums: list[float], draft) -> dict:
         from ..bench.metrics import mbsu
@@ -588,15 +583,11 @@ class DraftTask:
     temperature 1 with the global RNG, so checkpoints resume exactly), scored by the target."""
 
     def __init__(self, stage: str, examples, target, cache=None, *, accelerator=None, model=None,
-                 evaluator: Evaluator | None = None, eval_every: int = 0, state: TrainState | None = None,
-                 total_steps: int = 0, eval_log: JsonLog | None = None, on_policy_tokens: int = 0,
-                 seq_len: int | None = None):
+                 held_out: HeldOut | None = None, on_policy_tokens: int = 0, seq_len: int | None = None):
         self.stage, self.examples, self.target, self.cache = stage, examples, target, cache
         self.on_policy_tokens, self.seq_len = on_policy_tokens, seq_len
-        self.accelerator, self.model, self.evaluator = accelerator, model, evaluator
-        self.eval_every, self.state, self.total_steps, self.eval_log = eval_every, state, total_steps, eval_log
+        self.accelerator, self.model, self.held_out = accelerator, model, held_out
         self.bar_fields = ("loss", "accept" if stage == "finetune" else "acc1", "eval_accept")
-        self.next_eval = (state.step // eval_every + 1) * eval_every if (state is not None and eval_every) else 0
         self._totals = torch.zeros(len(TOTALS))
 
     def micro_batch(self, indices: list[int]) -> PositionBatch:
@@ -662,12 +653,6 @@ class DraftTask:
             accelerator.wait_for_everyone()
             self.cache.refresh()
 
-    def evaluate(self) -> dict:
-        """Held-out figures now (every process must call it: the sums are reduced)."""
-        if self.evaluator is None:
-            return {}
-        return self.evaluator(self.accelerator, self.accelerator.unwrap_model(self.model).draft)
-
     def log_fields(self, stats: torch.Tensor, seconds: float, num_processes: int) -> dict:
         loss, ce, tv, agree, n, target_s, target_tok, tokens = stats.tolist()
         n1 = max(n, 1.0)
@@ -681,14 +666,8 @@ class DraftTask:
             fields["tokens_per_s"] = round(tokens / seconds, 1)  # all processes
         if target_s > 0:
             fields["target_tokens_per_s"] = round(target_tok / target_s, 1)  # per process
-        step = self.state.step if self.state is not None else 0
-        if self.evaluator is not None and ((self.eval_every and step >= self.next_eval) or step == self.total_steps):
-            found = self.evaluate()
-            if self.eval_every:
-                self.next_eval = (step // self.eval_every + 1) * self.eval_every
-            if self.eval_log is not None and found:
-                self.eval_log.write({"step": step, **found})
-            fields.update(found)
+        if self.held_out is not None:
+            fields.update(self.held_out.at_log())
         return fields
 
 
@@ -933,8 +912,11 @@ def run(args) -> int:
     evaluator = Evaluator(held, target, batch_size=args.batch_size, chunk=args.loss_chunk, gamma=args.gamma,
                           target_parameters=facts.parameters) if held else None
     eval_log = JsonLog(out, state.step, main, name=EVAL_LOG)  # evaluations, trimmed on resume like the log
-    task = DraftTask(args.stage, train, target, cache, accelerator=accelerator, model=model, evaluator=evaluator,
-                     eval_every=args.eval_every, state=state, total_steps=plan.total_steps, eval_log=eval_log,
+    held_out = None
+    if evaluator is not None:
+        held_out = HeldOut(lambda: evaluator(accelerator, accelerator.unwrap_model(model).draft), args.eval_every,
+                           state, plan.total_steps, eval_log)
+    task = DraftTask(args.stage, train, target, cache, accelerator=accelerator, model=model, held_out=held_out,
                      on_policy_tokens=args.on_policy_tokens if args.on_policy else 0, seq_len=args.seq_len)
     options = {k: v for k, v in vars(args).items() if k != "run" and not callable(v)}
     record = {"argv": list(sys.argv), "options": {**options, "lr": lr}, "data": data_describe, "plan": describe(plan),
@@ -947,9 +929,8 @@ def run(args) -> int:
         print(f"specdraft: draft model: {shape.summary(facts.vocab, facts.parameters)} ({how})", file=sys.stderr)
         print(f"specdraft: {args.stage} ({loss_name}{'/' + args.tvdpp_variant if loss_name == 'tvdpp' else ''}) "
               f"on {len(train)} sequences, {len(held)} held out, {plan.total_steps} steps{where}", file=sys.stderr)
-    if resume_from is None and evaluator is not None:
-        first = task.evaluate()
-        eval_log.write({"step": 0, **first})
+    if resume_from is None and held_out is not None:
+        first = held_out.first()
         if main and first:
             print(f"specdraft: before training: held-out acceptance {first['eval_accept']:.3f} (greedy "
                   f"{first['eval_greedy_accept']:.3f}), CE {first['eval_ce']:.3f}", file=sys.stderr)

@@ -32,8 +32,8 @@ from torch.nn import functional as F
 from ..data.chat import IGNORE
 from ..errors import SpecdraftError
 from ..redrafter import MedusaHeads, ReDrafterHead
-from .common import (JsonLog, LoopOptions, finish_run, Plan, TrainState, cosine_schedule, describe,
-                     latest_checkpoint, make_accelerator, train_loop)
+from .common import (HeldOut, JsonLog, LoopOptions, finish_run, Plan, TrainState, cosine_schedule, describe,
+                     latest_checkpoint, make_accelerator, reduced_sums, train_loop)
 from .examples import Batch, ExampleSet, collate, load_examples
 from .hidden_cache import HiddenCache
 from .walk import greedy_walk, labelled_spans
@@ -172,14 +172,7 @@ class HeadEvaluator:
         return torch.cat([per_depth.flatten(), walks.flatten()])
 
     def __call__(self, accelerator, model: "HeadObjective") -> dict:
-        was_training = model.training
-        model.eval()
-        try:
-            sums = self.sums(model, accelerator.process_index, accelerator.num_processes)
-        finally:
-            model.train(was_training)
-        sums = accelerator.reduce(sums.float().to(accelerator.device), "sum").double().cpu()
-        return self.fields(sums)
+        return self.fields(reduced_sums(accelerator, model, lambda rank, world: self.sums(model, rank, world)))
 
     def fields(self, sums: torch.Tensor) -> dict:
         K = self.K
@@ -202,16 +195,12 @@ class HeadTask:
     bar_fields = ("loss", "acc1_0")
 
     def __init__(self, target, examples: ExampleSet, K: int, cache: HiddenCache | None, kl_weight: float = 0.0,
-                 topk: int = 5, *, evaluator: HeadEvaluator | None = None, eval_every: int = 0,
-                 accelerator=None, model=None, state: TrainState | None = None, total_steps: int = 0,
-                 eval_log: JsonLog | None = None):
+                 topk: int = 5, held_out: HeldOut | None = None):
         self.target, self.examples, self.K = target, examples, K
         self.cache, self.kl_weight, self.topk = cache, kl_weight, topk
         self.use_kl = bool(kl_weight)
         self.device = target.device
-        self.evaluator, self.eval_every, self.eval_log = evaluator, eval_every, eval_log
-        self.accelerator, self.model, self.state, self.total_steps = accelerator, model, state, total_steps
-        self.next_eval = (state.step // eval_every + 1) * eval_every if (state is not None and eval_every) else 0
+        self.held_out = held_out
         self._totals = torch.zeros(len(TOTALS))
 
     # -- data --
@@ -291,21 +280,9 @@ class HeadTask:
         head_s = per_process - target_s
         if head_s > 0:
             fields["head_tokens_per_s"] = round(tokens / head_s, 1)  # per process, target time excluded
-        step = self.state.step if self.state is not None else 0
-        if self.evaluator is not None and ((self.eval_every and step >= self.next_eval) or step == self.total_steps):
-            found = self.evaluate()
-            if self.eval_every:
-                self.next_eval = (step // self.eval_every + 1) * self.eval_every
-            if self.eval_log is not None and found:
-                self.eval_log.write({"step": step, **found})
-            fields.update(found)
+        if self.held_out is not None:
+            fields.update(self.held_out.at_log())
         return fields
-
-    def evaluate(self) -> dict:
-        """Held-out figures now (every process must call it: the sums are reduced)."""
-        if self.evaluator is None:
-            return {}
-        return self.evaluator(self.accelerator, self.accelerator.unwrap_model(self.model))
 
 
 # ---- the command ------------------------------------------------------------------------
@@ -344,17 +321,20 @@ def run(args) -> int:
         accelerator.load_state(str(resume_from))
     cache = open_hidden_cache(args, accelerator, target, examples)
     held = heldout_examples(args, target)
-    evaluator = HeadEvaluator(held, target, args.future_tokens, args.batch_size, args.topk) if held else None
+    eval_log = JsonLog(out, state.step, main, name=EVAL_LOG)  # evaluations, trimmed on resume like the log
+    held_out = None
+    if held:
+        evaluator = HeadEvaluator(held, target, args.future_tokens, args.batch_size, args.topk)
+        held_out = HeldOut(lambda: evaluator(accelerator, accelerator.unwrap_model(model)), args.eval_every, state,
+                           plan.total_steps, eval_log)
     task = HeadTask(target, examples, args.future_tokens, cache, kl_weight=args.kl_weight, topk=args.topk,
-                    evaluator=evaluator, eval_every=args.eval_every, accelerator=accelerator, model=model,
-                    state=state, total_steps=plan.total_steps, eval_log=JsonLog(out, state.step, main, name=EVAL_LOG))
+                    held_out=held_out)
     record = run_record(args, plan, examples)
     record["heldout_examples"] = len(held)
     if main:
         announce(args, out, record, plan, state, resumed=resume_from is not None)
-    if resume_from is None and evaluator is not None:
-        first = task.evaluate()
-        task.eval_log.write({"step": 0, **first})
+    if resume_from is None and held_out is not None:
+        first = held_out.first()
         if main:
             print(f"specdraft: before training, on {len(held)} held-out sequences: "
                   f"{summarise_eval(first, args.future_tokens)}", file=sys.stderr)
