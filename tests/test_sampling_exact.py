@@ -52,7 +52,8 @@ PROMPT_B = [4, 4, 2, 5]
 def target(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a 32-wide model: threads only add overhead
-    yield load_target(str(make_tiny_llama(tmp_path_factory.mktemp("exact") / "tiny6", vocab_size=V, seed=1)))
+    path = make_tiny_llama(tmp_path_factory.mktemp("exact") / "tiny6", vocab_size=V, seed=1)
+    yield load_target(str(path), dtype="float32")
     torch.set_num_threads(threads)
 
 
@@ -198,11 +199,20 @@ def test_speculative_sampling_matches_exact_law(target, case):
         assert steps < K, "drafts were never accepted: the case tests nothing"
 
 
-def test_redrafter_beam_search_sampling_matches_exact_law(target):
+@pytest.mark.parametrize("draft_vocab", [None, [0, 2, 3, 5]], ids=["full-vocab", "draft-vocab-4-of-6"])
+def test_redrafter_beam_search_sampling_matches_exact_law(target, draft_vocab):
     """A ReDrafter head's beam search (random weights: a fixed, history-dependent proposal
-    over this 6-token vocabulary, often right) verified by recursive rejection."""
+    over this 6-token vocabulary, often right) verified by recursive rejection; also with a
+    draft vocabulary that leaves out tokens the target samples (1 and 4): the law must not
+    change, only how often drafts are accepted."""
+    from specdraft.vocab import DraftVocab
+
     torch.manual_seed(0)
-    head = ReDrafterHead.for_target(target, head="own").eval().requires_grad_(False)
+    vocab = None
+    if draft_vocab is not None:
+        vocab = DraftVocab(len(draft_vocab), int(target.vocab_size))
+        vocab.set_ids(torch.tensor(draft_vocab))
+    head = ReDrafterHead.for_target(target, head="own", draft_vocab=vocab).eval().requires_grad_(False)
     res, steps = sample_case(target, lambda t: ReDrafter(head, beam_width=3, beam_length=4), SamplingParams(**T1),
                              N_ROWS)
     print(f"redrafter beams T=1 top-p: {res} steps/row={steps:.2f}")

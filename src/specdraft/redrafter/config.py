@@ -27,6 +27,8 @@ class HeadConfig:
           the target's frozen LM head).
     beam_width, beam_length: inference defaults W and L (L counts g0; see beam_search).
     target: the target signature (architecture, vocab_size, hidden_size, name).
+    draft_vocab: N, the size of the draft vocabulary the output covers (``specdraft.vocab``;
+          its ids are stored with the weights), or 0 for the whole vocabulary.
     """
 
     KIND = "head"
@@ -37,6 +39,7 @@ class HeadConfig:
     beam_width: int = 4
     beam_length: int = 5
     target: dict = field(default_factory=dict)
+    draft_vocab: int = 0
 
     def __post_init__(self):
         self.validate()
@@ -48,8 +51,17 @@ class HeadConfig:
                 raise SpecdraftError(f"{self.KIND} config: {name} must be an integer >= 1, got {value!r}")
         if self.head not in HEAD_VARIANTS:
             raise SpecdraftError(f"{self.KIND} config: head must be one of {HEAD_VARIANTS}, got {self.head!r}")
+        if not isinstance(self.draft_vocab, int) or isinstance(self.draft_vocab, bool) \
+                or not 0 <= self.draft_vocab <= self.vocab_size:
+            raise SpecdraftError(f"{self.KIND} config: draft_vocab must be an integer in 0..vocab_size, "
+                                 f"got {self.draft_vocab!r}")
         if not isinstance(self.target, dict):
             raise SpecdraftError(f"{self.KIND} config: target must be an object, got {self.target!r}")
+
+    @property
+    def output_size(self) -> int:
+        """The width of the output layer: N with a draft vocabulary, else V."""
+        return self.draft_vocab or self.vocab_size
 
     def to_dict(self) -> dict:
         return {"kind": self.KIND, "format_version": FORMAT_VERSION, **dataclasses.asdict(self)}

@@ -66,11 +66,21 @@ def check_state(head: torch.nn.Module, state: dict[str, torch.Tensor], folder) -
     for k, shape in expected.items():
         if found[k] != shape:
             raise SpecdraftError(f"{folder}: weight {k} has shape {list(found[k])}, the config implies {list(shape)}")
+    expected_dtypes = {k: v.dtype for k, v in head.state_dict().items()}
     for k, v in state.items():
-        if not v.is_floating_point():
+        if expected_dtypes[k].is_floating_point and not v.is_floating_point():
             raise SpecdraftError(f"{folder}: weight {k} has dtype {v.dtype}, expected a float type")
+        if not expected_dtypes[k].is_floating_point and v.dtype != expected_dtypes[k]:
+            raise SpecdraftError(f"{folder}: buffer {k} has dtype {v.dtype}, expected {expected_dtypes[k]}")
+    vocab = {k: v for k, v in state.items() if k.startswith("draft_vocab.")}
+    if vocab:
+        ids = vocab["draft_vocab.d2t"] + torch.arange(vocab["draft_vocab.d2t"].shape[0], device=vocab["draft_vocab.d2t"].device)
+        V = vocab["draft_vocab.t2d"].shape[0]
+        if (ids[1:] <= ids[:-1]).any() or ids.min() < 0 or ids.max() >= V \
+                or not bool(vocab["draft_vocab.t2d"][ids].all()) or int(vocab["draft_vocab.t2d"].sum()) != ids.shape[0]:
+            raise SpecdraftError(f"{folder}: its draft vocabulary (draft_vocab.d2t / t2d) is inconsistent")
 
 
 def _dtype_of(state: dict[str, torch.Tensor]) -> torch.dtype:
-    """The checkpoint's float dtype (float32 if it holds no tensors)."""
-    return next(iter(state.values())).dtype if state else torch.float32
+    """The checkpoint's float dtype (float32 if it holds no float tensors)."""
+    return next((v.dtype for v in state.values() if v.is_floating_point()), torch.float32)

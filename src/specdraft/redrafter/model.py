@@ -13,6 +13,12 @@ embeddings, N = config.num_blocks):
              = LM(P·z)    "shared" head: P is 2d → d, then the target's frozen LM head
                           (``Target.logits``: the same head and softcap the target uses)
 
+With a draft vocabulary of N tokens (``config.draft_vocab``; ``specdraft.vocab``) the
+output covers those N only: O is 2d → N, or the shared head uses the N rows of the
+target's LM head. ``draft_logits`` gives those (training); ``logits`` scatters them into
+the full vocabulary with -inf elsewhere (inference: beam search and acceptance see an
+ordinary distribution over V that is zero outside the draft vocabulary).
+
 logits_t is the drafter's distribution of x_{t+1}: with x_1 = g0 = the token after the
 last accepted one, logits_1 predicts the token after g0.
 """
@@ -24,6 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..checkpoint import target_signature
+from ..vocab import DraftVocab
 from .config import ReDrafterConfig
 from .io import load_head, save_head
 from .parts import TargetParts
@@ -45,7 +52,9 @@ class ReDrafterHead(nn.Module):
 
     rnn_w.weight (d, d); rnn_u.weight (d, d), rnn_u.bias (d,);
     blocks.{l}.linear.weight (2d, 2d), .bias (2d,) for l < N;
-    out.weight (V, 2d) for head "own", or proj.weight (d, 2d) for head "shared".
+    out.weight (V, 2d) for head "own", or proj.weight (d, 2d) for head "shared";
+    with a draft vocabulary of N tokens: out.weight (N, 2d), and the buffers
+    draft_vocab.d2t (N,) and draft_vocab.t2d (V,).
 
     The target's embeddings and LM head are used through ``parts`` and never stored.
     """
@@ -59,19 +68,24 @@ class ReDrafterHead(nn.Module):
         self.rnn_u = nn.Linear(d, d, bias=True)
         self.blocks = nn.ModuleList(ResidualBlock(2 * d) for _ in range(config.num_blocks))
         if config.head == "own":
-            self.out = nn.Linear(2 * d, V, bias=False)
+            self.out = nn.Linear(2 * d, config.output_size, bias=False)
         else:
             self.proj = nn.Linear(2 * d, d, bias=False)
+        self.draft_vocab = DraftVocab(config.draft_vocab, V) if config.draft_vocab else None
 
     @classmethod
     def for_target(cls, target, num_blocks: int = 2, head: str = "own", beam_width: int = 4,
-                   beam_length: int = 5) -> "ReDrafterHead":
+                   beam_length: int = 5, draft_vocab: DraftVocab | None = None) -> "ReDrafterHead":
         """A freshly initialised head for ``target`` (a ``specdraft.models.Target``),
-        on the target's device, in float32."""
+        on the target's device, in float32; its output covers ``draft_vocab`` if given."""
         config = ReDrafterConfig(hidden_size=int(target.hidden_size), vocab_size=int(target.vocab_size),
                                  num_blocks=num_blocks, head=head, beam_width=beam_width,
-                                 beam_length=beam_length, target=target_signature(target))
-        return cls(config, TargetParts.of(target)).to(target.device)
+                                 beam_length=beam_length, target=target_signature(target),
+                                 draft_vocab=draft_vocab.size if draft_vocab is not None else 0)
+        made = cls(config, TargetParts.of(target))
+        if draft_vocab is not None:
+            made.draft_vocab.set_ids(draft_vocab.ids())
+        return made.to(target.device)
 
     @classmethod
     def load(cls, folder, target) -> "ReDrafterHead":
@@ -109,16 +123,25 @@ class ReDrafterHead(nn.Module):
     # ---- the output -------------------------------------------------------------------
 
     def logits(self, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        """Draft logits (..., V) float32 from h (..., d) and s_t (..., d).
+        """Draft logits (..., V) float32 from h (..., d) and s_t (..., d); -inf outside
+        the draft vocabulary if the head has one.
 
         h is broadcast against s_t, so h (B, 1, d) with s_t (B, W, d) scores W beams.
         """
+        logits = self.draft_logits(hidden, state)
+        return self.draft_vocab.scatter(logits) if self.draft_vocab is not None else logits
+
+    def draft_logits(self, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """(..., N) float32 logits over the output layer's own vocabulary (the draft
+        vocabulary, or all V tokens): what training scores."""
         hidden = hidden.to(self.dtype).expand(*state.shape[:-1], -1)
         z = torch.cat([hidden, state], dim=-1)
         for block in self.blocks:
             z = block(z)
         if self.config.head == "own":
             return self.out(z).float()
+        if self.draft_vocab is not None:
+            return self.parts.rows_logits(self.proj(z), self.draft_vocab.ids())
         return self.parts.logits(self.proj(z))
 
     # ---- training ---------------------------------------------------------------------

@@ -21,12 +21,17 @@ class TargetParts:
     """embed:  (...,) long -> (..., d) float, the target's input embeddings.
     logits: (..., d) -> (..., V) float32, the target's LM head exactly as the target
             applies it to its final hidden states (final-logit softcap included).
-    vocab_size, hidden_size: of the target (V, d)."""
+    vocab_size, hidden_size: of the target (V, d).
+    rows_logits: (hidden (..., d), ids (N,) long) -> (..., N) float32, the same head's
+            logits of the tokens ``ids`` only (a draft vocabulary: N rows of the head,
+            not V).
+    """
 
     embed: Callable[[torch.Tensor], torch.Tensor]
     logits: Callable[[torch.Tensor], torch.Tensor]
     vocab_size: int
     hidden_size: int
+    rows_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def of(cls, target) -> "TargetParts":
@@ -37,5 +42,16 @@ class TargetParts:
             # The head may run in another dtype than the target (e.g. fp32 head, bf16 target).
             return target.logits(hidden.to(target.dtype))
 
+        rows: dict = {}  # the gathered head rows, kept while the ids tensor is the same
+
+        def rows_logits(hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            key = (ids.data_ptr(), ids.shape[0], ids.device)
+            if rows.get("key") != key:
+                head = target.head
+                bias = head.bias[ids] if getattr(head, "bias", None) is not None else None
+                rows.update(key=key, weight=head.weight[ids], bias=bias)
+            out = torch.nn.functional.linear(hidden.to(target.dtype), rows["weight"], rows["bias"]).float()
+            return torch.tanh(out / target.softcap) * target.softcap if target.softcap else out
+
         return cls(embed=embeddings, logits=logits, vocab_size=int(target.vocab_size),
-                   hidden_size=int(target.hidden_size))
+                   hidden_size=int(target.hidden_size), rows_logits=rows_logits)

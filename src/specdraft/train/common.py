@@ -137,6 +137,8 @@ class LoopOptions:
     stop_after_steps: int | None = None  # stop as if interrupted (a checkpoint is saved first)
     max_grad_norm: float | None = 1.0
     progress: bool = True
+    save_every_seconds: float | None = None  # also checkpoint when this much time has passed
+    deadline: float | None = None  # time.monotonic() at which to checkpoint and stop
 
 
 # ---- learning rate ----------------------------------------------------------------------
@@ -285,6 +287,7 @@ def train_loop(accelerator, task, model, optimizer, scheduler, plan: Plan, state
     stop_at = plan.total_steps if opts.stop_after_steps is None else min(plan.total_steps, opts.stop_after_steps)
     params = [p for p in model.parameters() if p.requires_grad]
     updating = False  # True between optimizer.step() and the step count catching up
+    last_save = time.monotonic()
     try:
         while state.step < stop_at:
             epoch = plan.epoch_of(state.step)
@@ -324,8 +327,17 @@ def train_loop(accelerator, task, model, optimizer, scheduler, plan: Plan, state
                 window, window_start = None, time.perf_counter()
             if plan.epoch_of(state.step) != epoch:
                 task.sync(accelerator)
-            if state.step % opts.save_every == 0 or state.step == stop_at:
+            now = time.monotonic()
+            # Every process must agree on time-based decisions: the main process's clock decides.
+            timed = accelerator.reduce(torch.tensor([
+                float(opts.save_every_seconds is not None and now - last_save >= opts.save_every_seconds),
+                float(opts.deadline is not None and now >= opts.deadline)], device=accelerator.device), "max")
+            out_of_time = bool(timed[1])
+            if state.step % opts.save_every == 0 or state.step == stop_at or bool(timed[0]) or out_of_time:
                 save_checkpoint(accelerator, task, opts.out, state.step, opts.keep_checkpoints)
+                last_save = time.monotonic()
+            if out_of_time:
+                break
     except KeyboardInterrupt:
         if accelerator.num_processes == 1 and state.step > 0 and not updating:
             # Between steps the state is consistent: keep the work done so far.

@@ -75,7 +75,9 @@ class HeadObjective(nn.Module):
         self.K, self.kl_weight, self.topk = K, kl_weight, topk
 
     def depth_logits(self, hidden: torch.Tensor, inputs: torch.Tensor, valid: torch.Tensor):
-        """Yield (i, logits (n_i, V) float32) for depth i at the rows ``valid[:, i]``.
+        """Yield (i, logits (n_i, N) float32) for depth i at the rows ``valid[:, i]``, over
+        the head's output vocabulary (its draft vocabulary if it has one, else all V);
+        labels must be in that space (``fit.to_output_space``).
         hidden (N, d); inputs (N, K) long, the tokens fed at depths 0..K-1."""
         head = self.head
         if isinstance(head, MedusaHeads):
@@ -86,8 +88,8 @@ class HeadObjective(nn.Module):
         state = head.initial_state((inputs.shape[0],), device=inputs.device)
         for i in range(self.K):
             state = head.step_embedded(state, embedded[:, i])
-            # The output layer (2d -> V) dominates the cost: only rows with a label.
-            yield i, head.logits(hidden[valid[:, i]], state[valid[:, i]])
+            # The output layer (2d -> N) dominates the cost: only rows with a label.
+            yield i, head.draft_logits(hidden[valid[:, i]], state[valid[:, i]])
 
     def forward(self, hidden: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor,
                 target_hidden: torch.Tensor | None, denom: torch.Tensor):

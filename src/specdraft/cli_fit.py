@@ -1,0 +1,112 @@
+"""The ``specdraft fit`` subcommand: argparse -> ``train.fit.FitConfig`` -> ``run_fit``."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from .errors import SpecdraftError
+
+DRAFTERS = ("redrafter",)
+
+
+def parse_duration(text: str) -> float:
+    """"90m", "2h", "1h30m", "45s" or plain seconds -> seconds."""
+    parts = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s?)?\s*", text or "")
+    if not text or not text.strip() or parts is None or not any(parts.groups()):
+        raise SpecdraftError(f"--budget must be a duration such as 90m, 2h or 1h30m, got {text!r}")
+    h, m, s = (float(x) if x else 0.0 for x in parts.groups())
+    seconds = 3600 * h + 60 * m + s
+    if seconds <= 0:
+        raise SpecdraftError(f"--budget must be positive, got {text!r}")
+    return seconds
+
+
+def parse_count(text: str) -> int:
+    """"20M", "500k", "1e6" or a plain integer -> int."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([kKmMgG]?)\s*", text or "")
+    if match is None:
+        raise SpecdraftError(f"--tokens must be a count such as 500k, 20M or 1e6, got {text!r}")
+    value = float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match.group(2).lower()]
+    if value < 1:
+        raise SpecdraftError(f"--tokens must be >= 1, got {text!r}")
+    return int(value)
+
+
+def add_fit(subparsers) -> None:
+    from .cli import add_target_args
+
+    p = subparsers.add_parser(
+        "fit", help="train a ready drafter for a target in one resumable command",
+        description="Run the whole pipeline for a drafter: the target's answers to held-out prompts, one "
+                    "target pass over the training conversations (hidden states and the target's own "
+                    "greedy choices, on disk), a draft vocabulary, training with held-out τ, and the "
+                    "final drafter in OUT/final. Interrupted (Ctrl-C, SIGTERM, --budget) it saves; run "
+                    "the same command again to continue where it stopped.")
+    p.add_argument("--drafter", choices=DRAFTERS, default="redrafter", help="(default: %(default)s)")
+    p.add_argument("--out", required=True, metavar="DIR", help="everything the run writes, and where it resumes")
+    p.add_argument("--data", default="sharegpt", metavar="sharegpt|FILE.json|FILE.jsonl",
+                   help="training conversations (default: the packaged ShareGPT, every turn)")
+    p.add_argument("--budget", type=str, metavar="DURATION", help="wall-clock limit of this run, e.g. 2h or 90m")
+    p.add_argument("--tokens", type=str, metavar="N", help="extract at most N training tokens (e.g. 20M)")
+    p.add_argument("--extract-share", type=float, default=0.5, metavar="F",
+                   help="with --budget: at most this share of it extracting (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=1024, metavar="T", help="(default: %(default)s)")
+    p.add_argument("--heldout-prompts", type=int, default=64, metavar="N",
+                   help="held-out ShareGPT prompts the target answers, for τ (default: %(default)s)")
+    p.add_argument("--heldout-data", metavar="FILE.jsonl",
+                   help="score on this distill file of the target's answers instead")
+    g = p.add_argument_group("head")
+    g.add_argument("--draft-vocab", type=int, default=8192, metavar="N",
+                   help="output over the N tokens the target writes most (0: whole vocabulary) (default: %(default)s)")
+    g.add_argument("--head", choices=("own", "shared"), default="own", help="(default: %(default)s)")
+    g.add_argument("--future-tokens", "-K", type=int, default=4, metavar="K", help="(default: %(default)s)")
+    g.add_argument("--num-blocks", type=int, default=2, metavar="N", help="(default: %(default)s)")
+    g.add_argument("--init-from", metavar="PATH", help="start from this ReDrafter checkpoint's weights")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=int, default=2, help="(default: %(default)s)")
+    g.add_argument("--batch-positions", type=int, default=1024, metavar="N", help="(default: %(default)s)")
+    g.add_argument("--lr", type=float, default=1e-3, help="(default: %(default)s)")
+    g.add_argument("--warmup", type=float, default=0.05, help="(default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    g.add_argument("--eval-every", type=int, default=200, metavar="STEPS", help="(default: %(default)s)")
+    g.add_argument("--save-every", type=float, default=300.0, metavar="SECONDS", help="(default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--stop-after-steps", type=int, metavar="N", help=argparse.SUPPRESS)  # tests: a crash
+    add_target_args(p)
+    p.set_defaults(run=run)
+
+
+def config_from(args: argparse.Namespace):
+    from .train.fit import FitConfig
+
+    config = FitConfig(out=Path(args.out), target=args.target, dtype=args.dtype, device=args.device,
+                       trust_remote_code=args.trust_remote_code, data=args.data, seq_len=args.seq_len,
+                       tokens=parse_count(args.tokens) if args.tokens else None,
+                       budget_seconds=parse_duration(args.budget) if args.budget else None,
+                       extract_share=args.extract_share, heldout_prompts=args.heldout_prompts,
+                       draft_vocab=args.draft_vocab, head=args.head, K=args.future_tokens, num_blocks=args.num_blocks,
+                       epochs=args.epochs, batch_positions=args.batch_positions, lr=args.lr, warmup=args.warmup,
+                       seed=args.seed, eval_every=args.eval_every, save_every_seconds=args.save_every,
+                       progress=not args.no_progress, init_from=args.init_from,
+                       heldout_data=args.heldout_data, stop_after_steps=args.stop_after_steps)
+    config.check()
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise SpecdraftError(f"--out {args.out} exists and is not a directory")
+    for name in ("heldout_data", "init_from"):
+        value = getattr(args, name)
+        if value and not Path(value).exists():
+            raise SpecdraftError(f"--{name.replace('_', '-')} {value}: not found")
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    from .cli import quiet_loading, resolve_dtype_arg
+    from .train.fit import run_fit
+
+    config = config_from(args)  # every value checked before the model loads
+    resolve_dtype_arg(args)
+    config.dtype = args.dtype
+    with quiet_loading():
+        return run_fit(config)

@@ -1,0 +1,326 @@
+"""A position corpus: what the frozen target computes over training text, computed once
+(in bfloat16 where the hardware runs it) and read many times, memory-mapped.
+
+Why: a drafter head only ever reads the target's last hidden state h_t and the target's
+own next-token choices; recomputing them every epoch made training cost a target pass
+per token. Extraction runs the target once per sequence and stores, for the trained
+positions only, what the head needs.
+
+For a sequence x_0..x_{T-1} with assistant-token flags a_u (``labels != -100``):
+
+    greedy[u] = argmax p(. | x_<=u)   where a_{u+1} (the target's own choice for an answer
+                                        slot); -1 elsewhere and at u = T-1
+    trained t:  a_{t+2}                 (the head at h_t, fed x_{t+1}, predicts slot t+2)
+
+At depth i (0-based) the head at t is fed x_{t+1+i} and its label is greedy[t+1+i] (the
+ReDrafter paper's distillation: the target's own greedy token after the real prefix), or,
+for held-out scoring on the target's own answers, x_{t+2+i}. A label is valid only while
+every shallower one is (prefix-closed, as the engine's walk reads them).
+
+Worked example (K = 2): x = [u0 u1 A0 A1 A2 <eos>], a = [0 0 1 1 1 1]
+    greedy = [-1, g1, g2, g3, g4, -1]      (g_u predicts x_{u+1}; -1 where a_{u+1} = 0)
+    trained t = 0, 1, 2, 3                   (a_{t+2} = 1)
+    t = 1: fed x2, x3; labels greedy[2], greedy[3]  = the target's choices for slots 3, 4
+
+Layout of a corpus folder:
+    manifest.json            target signature, dtype, source description, seq_len, chunk
+    chunk-{k:06d}/           sequences [k*chunk, (k+1)*chunk) of the source, written whole
+        tokens.npy   int32 (S,)      the chunk's sequences, concatenated
+        answer.npy   bool  (S,)      a_u
+        greedy.npy   int32 (S,)      greedy[u] as above
+        pos.npy      int64 (P,)      index (into tokens) of each trained position t
+        hidden.npy   int16 (P, d)    h_t, bfloat16 bits (numpy has no bfloat16)
+        meta.json    sequences, tokens, positions, seconds
+A chunk is written to a temporary folder and renamed when complete, so an interrupted
+extraction loses at most the chunk in flight and resumes at the first missing chunk.
+Size: about 2·d bytes per trained position (SmolLM2: 1.15 kB).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..data.chat import IGNORE
+from ..errors import SpecdraftError
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+
+def chunk_name(k: int) -> str:
+    return f"chunk-{k:06d}"
+
+
+def bf16_to_int16(x: torch.Tensor) -> np.ndarray:
+    """(…, d) bfloat16 -> int16 numpy with the same bits."""
+    return x.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy()
+
+
+def int16_to_bf16(a: np.ndarray) -> torch.Tensor:
+    """The inverse of ``bf16_to_int16`` (copies out of a memory map)."""
+    return torch.from_numpy(np.ascontiguousarray(a)).view(torch.bfloat16)
+
+
+# ---- extraction -----------------------------------------------------------------------
+
+
+@dataclass
+class ExtractReport:
+    chunks_done: int
+    chunks_total: int
+    sequences: int
+    tokens: int
+    positions: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def corpus_manifest(target, examples, seq_len: int) -> dict:
+    """What a corpus's states belong to: a corpus is only extended by the same settings."""
+    from ..checkpoint import target_signature
+
+    return {"target": target_signature(target), "dtype": str(target.dtype).replace("torch.", ""),
+            "data": examples.describe, "fingerprint": examples.fingerprint(), "seq_len": seq_len}
+
+
+def open_corpus(folder: Path, manifest: dict) -> None:
+    """Create ``folder`` with ``manifest``, or check that an existing one matches."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / MANIFEST
+    if path.exists():
+        found = json.loads(path.read_text())
+        if found != json.loads(json.dumps(manifest)):
+            diff = sorted(k for k in set(found) | set(manifest) if found.get(k) != manifest.get(k))
+            raise SpecdraftError(f"corpus {folder} was extracted with other settings (differs in "
+                                 f"{', '.join(diff)}); use another folder or delete it")
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def greedy_and_hidden(target, ids: list[list[int]], answer: list[list[bool]], max_batch_tokens: int):
+    """One target pass over sequences (right-padded, grouped by length); yields per
+    sequence (greedy (T,) int32 numpy, trained positions (P,) int64 numpy, hidden (P, d)
+    bfloat16) in input order. The LM head runs only where an answer slot follows."""
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    results: dict[int, tuple] = {}
+    start = 0
+    while start < len(order):
+        # The longest sequence of a group comes last (sorted): grow while within budget.
+        end = start + 1
+        while end < len(order) and len(ids[order[end]]) * (end + 1 - start) <= max_batch_tokens:
+            end += 1
+        group = order[start:end]
+        T = len(ids[group[-1]])
+        batch = torch.zeros(len(group), T, dtype=torch.long)
+        for r, i in enumerate(group):
+            batch[r, : len(ids[i])] = torch.tensor(ids[i])
+        # No attention mask: the padding is on the right, and under causal attention a real
+        # token never sees a later one, so its state is the unpadded one; without a mask
+        # the attention takes its fused causal kernel (a padding mask: 2-3x slower on CPU).
+        hidden = target.base(input_ids=batch.to(target.device)).last_hidden_state
+        for r, i in enumerate(group):
+            a = torch.tensor(answer[i], dtype=torch.bool)
+            n = len(ids[i])
+            slot = torch.zeros(n, dtype=torch.bool)  # a_{u+1}
+            slot[:-1] = a[1:]
+            greedy = torch.full((n,), -1, dtype=torch.int32)
+            if slot.any():
+                greedy[slot] = target.logits(hidden[r, :n][slot.to(hidden.device)]).argmax(-1).int().cpu()
+            trained = torch.zeros(n, dtype=torch.bool)  # a_{t+2}
+            trained[:-2] = a[2:]
+            pos = trained.nonzero().flatten()
+            results[i] = (greedy.numpy(), pos.numpy().astype(np.int64), hidden[r, pos.to(hidden.device)])
+        start = end
+    for i in range(len(ids)):
+        yield results.pop(i)
+
+
+def write_chunk(folder: Path, k: int, examples, target, max_batch_tokens: int) -> dict:
+    """Extract the given examples into chunk ``k`` (atomically); returns its meta."""
+    begin = time.perf_counter()
+    ids = [list(e.input_ids) for e in examples]
+    answer = [[y != IGNORE for y in e.labels] for e in examples]
+    tokens, answers, greedies, positions, hiddens = [], [], [], [], []
+    offset = 0
+    with torch.inference_mode():
+        for seq, ans, (greedy, pos, hidden) in zip(ids, answer, greedy_and_hidden(target, ids, answer,
+                                                                                 max_batch_tokens)):
+            tokens.append(np.asarray(seq, dtype=np.int32))
+            answers.append(np.asarray(ans, dtype=bool))
+            greedies.append(greedy)
+            positions.append(pos + offset)
+            hiddens.append(bf16_to_int16(hidden))
+            offset += len(seq)
+    d = int(target.hidden_size)
+    arrays = {"tokens": np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
+              "answer": np.concatenate(answers) if answers else np.zeros(0, bool),
+              "greedy": np.concatenate(greedies) if greedies else np.zeros(0, np.int32),
+              "pos": np.concatenate(positions) if positions else np.zeros(0, np.int64),
+              "hidden": np.concatenate(hiddens) if hiddens else np.zeros((0, d), np.int16)}
+    meta = {"sequences": len(ids), "tokens": int(offset), "positions": int(arrays["pos"].shape[0]),
+            "seconds": round(time.perf_counter() - begin, 3)}
+    final = folder / chunk_name(k)
+    tmp = folder / (chunk_name(k) + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for name, array in arrays.items():
+        np.save(tmp / f"{name}.npy", array, allow_pickle=False)
+    (tmp / "meta.json").write_text(json.dumps(meta))
+    os.replace(tmp, final)
+    return meta
+
+
+def extract(target, examples, folder: str | Path, manifest: dict, chunk: int = 128, max_batch_tokens: int = 8192,
+            max_tokens: int | None = None, deadline: float | None = None, progress: bool = True) -> ExtractReport:
+    """Extract ``examples`` (an ``ExampleSet`` of teacher-forcing examples) into ``folder``,
+    chunk by chunk, skipping chunks already there. Stops after the chunk that brings the
+    corpus to ``max_tokens`` tokens, or before starting a chunk past ``deadline``
+    (``time.monotonic()`` value). Safe to interrupt: rerun to continue."""
+    from tqdm.auto import tqdm
+
+    folder = Path(folder)
+    open_corpus(folder, {**manifest, "chunk": chunk, "format": FORMAT})
+    total = (len(examples) + chunk - 1) // chunk
+    done = Corpus.chunk_metas(folder)
+    have = sum(m["tokens"] for m in done.values())
+    report = ExtractReport(len(done), total, 0, 0, 0, 0.0)
+    bar = tqdm(total=total, initial=len(done), unit="chunk", desc="extract", disable=not progress,
+               dynamic_ncols=True, file=sys.stderr)
+    try:
+        for k in range(total):
+            if k in done:
+                continue
+            if (max_tokens is not None and have >= max_tokens) or (deadline is not None and time.monotonic() > deadline):
+                break
+            part = [examples[i] for i in range(k * chunk, min((k + 1) * chunk, len(examples)))]
+            meta = write_chunk(folder, k, part, target, max_batch_tokens)
+            have += meta["tokens"]
+            report.chunks_done += 1
+            report.sequences += meta["sequences"]
+            report.tokens += meta["tokens"]
+            report.positions += meta["positions"]
+            report.seconds += meta["seconds"]
+            bar.update(1)
+            bar.set_postfix(tok_s=round(report.tokens_per_s), refresh=False)
+    finally:
+        bar.close()
+    return report
+
+
+# ---- reading --------------------------------------------------------------------------
+
+
+class Corpus:
+    """The completed chunks of a corpus folder, memory-mapped, as one flat list of trained
+    positions (chunk order, then position order)."""
+
+    def __init__(self, folder: str | Path, chunks: list[int] | None = None):
+        self.folder = Path(folder)
+        if not (self.folder / MANIFEST).is_file():
+            raise SpecdraftError(f"{self.folder} is not a specdraft corpus (no {MANIFEST})")
+        self.manifest = json.loads((self.folder / MANIFEST).read_text())
+        metas = self.chunk_metas(self.folder)
+        self.chunks = sorted(metas) if chunks is None else list(chunks)
+        missing = [k for k in self.chunks if k not in metas]
+        if missing:
+            raise SpecdraftError(f"corpus {self.folder} lacks chunk(s) {missing[:5]}")
+        self.arrays = [self._open(k) for k in self.chunks]
+        counts = np.array([a["pos"].shape[0] for a in self.arrays], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(counts)])  # flat index of each chunk's first position
+        self.tokens = int(sum(metas[k]["tokens"] for k in self.chunks))
+
+    @staticmethod
+    def chunk_metas(folder: Path) -> dict[int, dict]:
+        out = {}
+        for meta in Path(folder).glob("chunk-*/meta.json"):
+            name = meta.parent.name
+            if name.endswith(".tmp"):
+                continue
+            out[int(name.split("-")[1])] = json.loads(meta.read_text())
+        return out
+
+    def _open(self, k: int) -> dict:
+        base = self.folder / chunk_name(k)
+        return {name: np.load(base / f"{name}.npy", mmap_mode="r", allow_pickle=False)
+                for name in ("tokens", "answer", "greedy", "pos", "hidden")}
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def fingerprint(self) -> dict:
+        return {"folder": str(self.folder.resolve()), "chunks": self.chunks, "positions": len(self)}
+
+    def gather(self, flat: np.ndarray, K: int, label: str = "greedy") -> "PositionBatch":
+        """The positions ``flat`` (N,) of the flat list, with K depths of inputs and labels.
+
+        label "greedy": the target's choices (training); "text": the sequence's own next
+        tokens (scoring on the target's own answers: the engine's walk)."""
+        flat = np.asarray(flat, dtype=np.int64)
+        chunk_of = np.searchsorted(self.starts, flat, side="right") - 1
+        hidden = np.empty((len(flat), self.arrays[0]["hidden"].shape[1]), dtype=np.int16) if len(self.arrays) else None
+        inputs = np.zeros((len(flat), K), dtype=np.int64)
+        labels = np.full((len(flat), K), IGNORE, dtype=np.int64)
+        t_of = np.zeros(len(flat), dtype=np.int64)
+        for c in np.unique(chunk_of):
+            rows = np.nonzero(chunk_of == c)[0]
+            a = self.arrays[c]
+            local = flat[rows] - self.starts[c]
+            order = np.argsort(local)  # sorted reads are kinder to the page cache
+            hidden[rows[order]] = a["hidden"][local[order]]
+            t = a["pos"][local]
+            t_of[rows] = t
+            S = a["tokens"].shape[0]
+            ok = np.ones(len(rows), dtype=bool)
+            for i in range(K):
+                u = np.minimum(t + 1 + i, S - 1)
+                inputs[rows, i] = a["tokens"][u]
+                if label == "greedy":
+                    y = a["greedy"][u].astype(np.int64)
+                    ok &= (t + 1 + i < S) & (y >= 0)
+                else:
+                    v = np.minimum(t + 2 + i, S - 1)
+                    y = a["tokens"][v].astype(np.int64)
+                    ok &= (t + 2 + i < S) & a["answer"][v] & (a["greedy"][u] >= 0)
+                labels[rows, i] = np.where(ok, y, IGNORE)
+        return PositionBatch(hidden=int16_to_bf16(hidden), inputs=torch.from_numpy(inputs),
+                             labels=torch.from_numpy(labels), chunk=torch.from_numpy(chunk_of), t=torch.from_numpy(t_of))
+
+    def label_counts(self, vocab_size: int, limit_positions: int | None = None) -> torch.Tensor:
+        """(V,) int64 counts of the target's greedy choices at answer slots (the draft
+        vocabulary's source: the target's own outputs)."""
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        seen = 0
+        for a in self.arrays:
+            g = np.asarray(a["greedy"])
+            g = g[g >= 0]
+            counts += np.bincount(g, minlength=vocab_size)[:vocab_size]
+            seen += len(g)
+            if limit_positions is not None and seen >= limit_positions:
+                break
+        return torch.from_numpy(counts)
+
+
+@dataclass
+class PositionBatch:
+    """hidden (N, d) bfloat16 h_t; inputs (N, K) long, the tokens fed at depths 0..K-1;
+    labels (N, K) long (-100: no label, prefix-closed); chunk, t (N,) where each came from."""
+
+    hidden: torch.Tensor
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    chunk: torch.Tensor
+    t: torch.Tensor

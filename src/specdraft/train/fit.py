@@ -1,0 +1,460 @@
+"""``specdraft fit``: a ready drafter head for a target, in one resumable command.
+
+Stages, each resumable and each skipped when its output is already complete:
+
+    1. heldout   the target's own greedy answers to held-out ShareGPT prompts
+                 (OUT/heldout.jsonl, ``distill.distill_responses``): what τ is measured on
+    2. extract   the training corpus (OUT/corpus, ``train.corpus``): one target pass per
+                 training conversation (all turns, assistant positions), in the target's
+                 dtype, hidden states and the target's greedy labels memory-mapped on disk;
+                 and the held-out corpus (OUT/heldout-corpus) the same way
+    3. vocab     the draft vocabulary: the N tokens the target chose most often at the
+                 training answers' positions (OUT/vocab.json records its coverage)
+    4. train     the head on the corpus (OUT/train: ``common.train_loop`` with accelerate:
+                 checkpoints every few minutes, exact resume, logs), scored on the held-out
+                 corpus every ``eval_every`` steps: per-depth top-1 accuracy and the
+                 engine-exact greedy τ at W = 1 (``train.walk``); OUT/curve.jsonl and
+                 OUT/curve.png plot them against training positions
+    5. final     OUT/final, loadable as ``redrafter:OUT/final``
+
+Objective (per trained position t, depth i = 0..K-1; labels from ``corpus.gather``):
+loss = Σ_i mean_{t: y_{t,i} in the draft vocabulary} CE(q_{t,i}, y_{t,i}), with y_{t,i} =
+the target's greedy choice after x_<=t+1+i. Labels outside the draft vocabulary cannot be
+drafted; they are dropped from the loss and counted (``oov_i`` in the log).
+
+Budget: ``budget_seconds`` bounds the whole command's wall-clock time; extraction stops
+when the corpus holds ``tokens`` tokens or at ``extract_share`` of the budget, training
+at the budget (a checkpoint is saved; rerun the same command to continue).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..data.chat import IGNORE
+from ..errors import SpecdraftError
+from ..vocab import DraftVocab
+from .common import (JsonLog, LoopOptions, Plan, TrainState, cosine_schedule, finish_run, latest_checkpoint,
+                     make_accelerator, train_loop)
+from .corpus import Corpus, PositionBatch, corpus_manifest, extract
+from .walk import greedy_walk
+
+BLOCK = 16  # consecutive corpus positions per example: the unit the data order shuffles
+CURVE = "curve.jsonl"
+
+
+@dataclass
+class FitConfig:
+    """Everything ``fit`` needs; the CLI fills it from its options.
+
+    tokens: stop extracting once the training corpus holds this many tokens (None: all).
+    draft_vocab: N (0: the whole vocabulary). batch_positions: trained positions per
+    optimizer step. epochs over the corpus as it stands when training starts.
+    """
+
+    out: Path
+    target: str = "default"
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    trust_remote_code: bool = False
+    data: str = "sharegpt"
+    seq_len: int = 1024
+    tokens: int | None = None
+    budget_seconds: float | None = None
+    extract_share: float = 0.5
+    heldout_prompts: int = 64
+    heldout_data: str | None = None  # a distill file of the target's answers, instead of stage 1
+    heldout_max_new_tokens: int = 256
+    draft_vocab: int = 8192
+    head: str = "own"
+    K: int = 4
+    num_blocks: int = 2
+    epochs: int = 2
+    batch_positions: int = 1024
+    lr: float = 1e-3
+    warmup: float = 0.05
+    weight_decay: float = 0.0
+    seed: int = 0
+    eval_every: int = 200
+    save_every_seconds: float = 300.0
+    progress: bool = True
+    init_from: str | None = None
+    beam_width: int = 1
+    beam_length: int = 3
+    stop_after_steps: int | None = None  # stop as if interrupted (tests of resumption)
+
+    def check(self) -> None:
+        for name in ("seq_len", "K", "epochs", "batch_positions", "heldout_prompts", "heldout_max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise SpecdraftError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.draft_vocab < 0 or not self.lr > 0 or not 0 <= self.warmup < 1 or not 0 < self.extract_share <= 1:
+            raise SpecdraftError("need draft-vocab >= 0, lr > 0, 0 <= warmup < 1 and 0 < extract-share <= 1")
+        if self.tokens is not None and self.tokens < 1:
+            raise SpecdraftError(f"tokens must be >= 1, got {self.tokens}")
+        if self.budget_seconds is not None and not self.budget_seconds > 0:
+            raise SpecdraftError(f"the budget must be > 0 seconds, got {self.budget_seconds}")
+
+
+# ---- the objective over the corpus ---------------------------------------------------------
+
+
+class CorpusTask:
+    """``common.train_loop``'s model-specific half for a head trained on a ``Corpus``:
+    an example is a block of BLOCK consecutive corpus positions."""
+
+    bar_fields = ("loss", "acc1_0")
+
+    def __init__(self, corpus: Corpus, vocab: DraftVocab | None, K: int, device, held_out=None):
+        self.corpus, self.vocab, self.K, self.device = corpus, vocab, K, device
+        self.held_out = held_out
+
+    def micro_batch(self, indices: list[int]) -> PositionBatch:
+        flat = (np.asarray(indices, dtype=np.int64)[:, None] * BLOCK + np.arange(BLOCK)).ravel()
+        mb = self.corpus.gather(flat[flat < len(self.corpus)], self.K)
+        mb.oov = ((mb.labels != IGNORE) & (to_output_space(self.vocab, mb.labels) == IGNORE)).sum(0)
+        mb.labels = to_output_space(self.vocab, mb.labels)
+        return mb
+
+    def counts(self, mb: PositionBatch) -> torch.Tensor:
+        return (mb.labels != IGNORE).sum(0).float()
+
+    def num_tokens(self, mb: PositionBatch) -> int:
+        return int(mb.hidden.shape[0])
+
+    def loss(self, model, mb: PositionBatch, denom: torch.Tensor):
+        d = self.device
+        loss, stats = model(mb.hidden.to(d), mb.inputs.to(d), mb.labels.to(d), None, denom)
+        return loss, torch.cat([stats.flatten(), mb.oov.float().to(stats.device)])
+
+    def sync(self, accelerator) -> None:
+        pass
+
+    def log_fields(self, stats: torch.Tensor, seconds: float, num_processes: int) -> dict:
+        from .redrafter import STATS
+
+        K = self.K
+        per = stats[: K * len(STATS)].view(K, len(STATS)).tolist()
+        oov = stats[K * len(STATS):].tolist()
+        fields: dict = {}
+        loss = 0.0
+        for i, (ce, _, c1, ck, n) in enumerate(per):
+            n = max(n, 1.0)
+            loss += ce / n
+            fields[f"ce_{i}"], fields[f"acc1_{i}"] = round(ce / n, 4), round(c1 / n, 4)
+            fields[f"oov_{i}"] = round(oov[i] / (n + oov[i]), 4)
+        fields["loss"] = round(loss, 4)
+        fields["positions_per_s"] = round(sum(p[4] for p in per[:1]) / max(seconds, 1e-9), 1)
+        if self.held_out is not None:
+            fields.update(self.held_out.at_log())
+        return fields
+
+
+def to_output_space(vocab: DraftVocab | None, labels: torch.Tensor) -> torch.Tensor:
+    """Target-id labels -> ids of the head's output layer; IGNORE where not drafted."""
+    if vocab is None:
+        return labels
+    mapped = vocab.to_draft(labels)
+    return torch.where(mapped >= 0, mapped, torch.full_like(mapped, IGNORE))
+
+
+# ---- held-out scoring: the engine's greedy walk over the target's own answers ------------------
+
+
+class CorpusEvaluator:
+    """Per-depth top-1 accuracy and the greedy τ of one beam of length L = 2..K+1 (W = 1),
+    by replaying the engine's walk (``train.walk``) over a held-out corpus extracted from
+    the target's own greedy answers: the engine's greedy τ on those prompts, up to the
+    numerics of batched vs incremental forwards."""
+
+    def __init__(self, corpus: Corpus, vocab: DraftVocab | None, K: int, device, batch: int = 4096):
+        self.corpus, self.vocab, self.K, self.device, self.batch = corpus, vocab, K, device, batch
+
+    @torch.no_grad()
+    def __call__(self, model) -> dict:
+        was = model.training
+        model.eval()
+        try:
+            return self.score(model)
+        finally:
+            model.train(was)
+
+    def score(self, model) -> dict:
+        K, corpus = self.K, self.corpus
+        runs = [np.zeros(a["tokens"].shape[0], dtype=np.int64) for a in corpus.arrays]
+        hits, count = np.zeros(K), np.zeros(K)
+        for start in range(0, len(corpus), self.batch):
+            mb = corpus.gather(np.arange(start, min(start + self.batch, len(corpus))), K, label="text")
+            labels = to_output_space(self.vocab, mb.labels).to(self.device)
+            valid = mb.labels.to(self.device) != IGNORE  # OOV labels count as misses
+            right = torch.zeros_like(valid)
+            for i, logits in model.depth_logits(mb.hidden.to(self.device), mb.inputs.to(self.device), valid):
+                right[valid[:, i], i] = logits.argmax(-1) == labels[valid[:, i], i]
+            hits += right.sum(0).cpu().numpy()
+            count += valid.sum(0).cpu().numpy()
+            streak = right.long().cumprod(1).sum(1).cpu().numpy()
+            for c in np.unique(mb.chunk.numpy()):
+                rows = mb.chunk.numpy() == c
+                runs[c][mb.t.numpy()[rows]] = streak[rows]
+        out = {f"eval_acc1_{i}": round(float(hits[i] / max(count[i], 1)), 4) for i in range(K)}
+        for depth in range(1, K + 1):
+            tokens = steps = 0
+            for c, a in enumerate(corpus.arrays):
+                for first, last in answer_spans(np.asarray(a["answer"])):
+                    n, s = greedy_walk(torch.from_numpy(runs[c]), first, last, depth)
+                    tokens, steps = tokens + n, steps + s
+            out[f"eval_tau_w1_l{depth + 1}"] = round(tokens / max(steps, 1), 4)
+        out["eval_positions"] = int(count[0])
+        return out
+
+
+def answer_spans(answer: np.ndarray) -> list[tuple[int, int]]:
+    """(first, last) of each maximal run of True."""
+    edges = np.diff(np.concatenate([[0], answer.astype(np.int8), [0]]))
+    return list(zip(np.nonzero(edges == 1)[0].tolist(), (np.nonzero(edges == -1)[0] - 1).tolist()))
+
+
+# ---- stages --------------------------------------------------------------------------------
+
+
+class Budget:
+    """Wall-clock budget of one run (None: unbounded)."""
+
+    def __init__(self, seconds: float | None):
+        self.start = time.monotonic()
+        self.seconds = seconds
+
+    def deadline(self, share: float = 1.0) -> float | None:
+        return None if self.seconds is None else self.start + share * self.seconds
+
+    def left(self) -> float:
+        return math.inf if self.seconds is None else self.start + self.seconds - time.monotonic()
+
+
+def say(message: str) -> None:
+    print(f"specdraft: {message}", file=sys.stderr, flush=True)
+
+
+def heldout_answers(config: FitConfig, target, path: Path) -> None:
+    """Stage 1: the target's greedy answers to the first ``heldout_prompts`` held-out
+    ShareGPT prompts (resumable distill file)."""
+    from ..data.sharegpt import first_turn, load_conversations
+    from ..distill import DistillReport, distill_responses, make_prompts
+    from ..drafters.lookup import LookupDrafter
+    from ..engine import SpeculativeEngine
+
+    convs, _ = load_conversations(None if config.data == "sharegpt" else config.data, "heldout",
+                                  config.heldout_prompts)
+    prompts = make_prompts(target.tokenizer, [(c.id, first_turn(c)) for c in convs], 1024, DistillReport())
+    engine = SpeculativeEngine(target, LookupDrafter())  # exact: the same answers as plain decoding
+    distill_responses(engine, prompts, [0.0], path, max_new_tokens=config.heldout_max_new_tokens,
+                      batch_size=8, progress=config.progress)
+
+
+def build_corpora(config: FitConfig, target, budget: Budget) -> tuple[Corpus, Corpus]:
+    """Stage 2: extract (or continue extracting) both corpora; returns them opened."""
+    from .examples import load_examples
+
+    out = Path(config.out)
+    held_path = Path(config.heldout_data) if config.heldout_data else out / "heldout.jsonl"
+    if not config.heldout_data:
+        heldout_answers(config, target, held_path)
+    held = load_examples(str(held_path), target.tokenizer, seq_len=config.seq_len, K=config.K, eos_ids=target.eos_ids)
+    extract(target, held, out / "heldout-corpus", corpus_manifest(target, held, config.seq_len), chunk=16,
+            progress=False)
+    train = load_examples(config.data, target.tokenizer, seq_len=config.seq_len, K=config.K, eos_ids=target.eos_ids)
+    report = extract(target, train, out / "corpus", corpus_manifest(target, train, config.seq_len),
+                     max_tokens=config.tokens, deadline=budget.deadline(config.extract_share),
+                     progress=config.progress)
+    if report.tokens:
+        say(f"extracted {report.tokens} tokens ({report.positions} trained positions) in {report.seconds:.0f} s: "
+            f"{report.tokens_per_s:.0f} tokens/s")
+    return Corpus(out / "corpus"), Corpus(out / "heldout-corpus")
+
+
+def draft_vocabulary(config: FitConfig, corpus: Corpus, held: Corpus, vocab_size: int) -> DraftVocab | None:
+    """Stage 3: the draft vocabulary from the training corpus's greedy labels (fixed once
+    made: OUT/vocab.json holds its ids, so a resumed run trains the same output layer)."""
+    if not config.draft_vocab:
+        return None
+    path = Path(config.out) / "vocab.json"
+    if path.exists():
+        saved = json.loads(path.read_text())
+        vocab = DraftVocab(len(saved["ids"]), vocab_size)
+        vocab.set_ids(torch.tensor(saved["ids"]))
+        return vocab
+    counts = corpus.label_counts(vocab_size)
+    vocab = DraftVocab.from_counts(counts, config.draft_vocab)
+    record = {"size": vocab.size, "train_coverage": round(vocab.coverage(counts), 4),
+              "heldout_coverage": round(vocab.coverage(held.label_counts(vocab_size)), 4),
+              "ids": vocab.ids().tolist()}
+    path.write_text(json.dumps(record))
+    say(f"draft vocabulary: {vocab.size} tokens cover {record['train_coverage']:.1%} of the target's training "
+        f"labels, {record['heldout_coverage']:.1%} held out")
+    return vocab
+
+
+@contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM ends training like Ctrl-C: the loop saves a checkpoint first."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def build_objective(config: FitConfig, target, vocab: DraftVocab | None):
+    from ..redrafter import ReDrafterHead
+    from .redrafter import HeadObjective
+
+    head = ReDrafterHead.for_target(target, num_blocks=config.num_blocks, head=config.head,
+                                    beam_width=config.beam_width, beam_length=config.beam_length, draft_vocab=vocab)
+    if config.init_from:
+        warm = ReDrafterHead.load(config.init_from, target)
+        head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in warm.state_dict().items()})
+    elif config.head == "shared":
+        with torch.no_grad():
+            head.proj.weight.zero_()  # uniform start (see train.redrafter.build_head)
+    return HeadObjective(head.float(), config.K)
+
+
+def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: DraftVocab | None,
+               budget: Budget) -> bool:
+    """Stage 4: returns True when the planned epochs are done."""
+    from accelerate.utils import set_seed
+
+    from .common import HeldOut
+
+    out = Path(config.out) / "train"
+    accelerator = make_accelerator(cpu=config.device == "cpu",
+                                   mixed_precision="bf16" if config.dtype == "bfloat16" else "no")
+    blocks = math.ceil(len(corpus) / BLOCK)
+    plan = Plan(blocks, max(1, config.batch_positions // BLOCK), 1, accelerator.num_processes, config.epochs,
+                None, config.seed)
+    set_seed(config.seed)
+    model = build_objective(config, target, vocab)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = cosine_schedule(optimizer, plan.total_steps, config.warmup)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    state = TrainState({**plan.signature(), "corpus": corpus.fingerprint(), **signature(config)})
+    accelerator.register_for_checkpointing(scheduler, state)
+    resume = latest_checkpoint(out)
+    if resume is not None:
+        accelerator.load_state(str(resume))
+        say(f"resuming training at step {state.step} of {plan.total_steps}")
+    evaluator = CorpusEvaluator(held, vocab, config.K, target.device)
+    curve = JsonLog(Path(config.out), state.step, accelerator.is_main_process, name=CURVE)
+
+    def score() -> dict:
+        found = evaluator(accelerator.unwrap_model(model))
+        curve.write({"step": state.step, "positions": state.tokens, **found})
+        return found
+
+    held_out = HeldOut(score, config.eval_every, state, plan.total_steps, JsonLog(out, state.step, False))
+    if resume is None:
+        first = held_out.first()
+        say(f"before training: held-out {summarise(first, config.K)}")
+    task = CorpusTask(corpus, vocab, config.K, target.device, held_out)
+    deadline = budget.deadline()
+    opts = LoopOptions(out=out, save_every=10**9, save_every_seconds=config.save_every_seconds, keep_checkpoints=2,
+                       # Logged steps divide eval_every, so evaluations fall on its multiples only
+                       # (never on the step a run was stopped at): a resumed run scores the same steps.
+                       log_every=math.gcd(20, config.eval_every), deadline=deadline, progress=config.progress,
+                       stop_after_steps=config.stop_after_steps)
+    say(f"training on {len(corpus)} positions ({corpus.tokens} tokens), {plan.total_steps} steps of "
+        f"{plan.batch_size * BLOCK} positions")
+    with sigterm_as_interrupt():
+        finished = train_loop(accelerator, task, model, optimizer, scheduler, plan, state, opts)
+    head = accelerator.unwrap_model(model).head
+    write_curve_plot(Path(config.out))
+    finish_run(accelerator, accelerator.is_main_process, finished, state, plan,
+               lambda: (save_final(head, Path(config.out) / "final", config, state, corpus), "redrafter"))
+    return finished
+
+
+def signature(config: FitConfig) -> dict:
+    keep = ("draft_vocab", "head", "K", "num_blocks", "epochs", "lr", "warmup", "weight_decay", "seed", "init_from",
+            "target", "dtype")
+    return {k: getattr(config, k) for k in keep}
+
+
+def summarise(found: dict, K: int) -> str:
+    accs = " / ".join(f"{found[f'eval_acc1_{i}']:.3f}" for i in range(K))
+    return f"top-1 {accs} at depths 1-{K}, τ (W=1, L=2..{K + 1}) " + " / ".join(
+        f"{found[f'eval_tau_w1_l{L}']:.3f}" for L in range(2, K + 2))
+
+
+def save_final(head, folder: Path, config: FitConfig, state: TrainState, corpus: Corpus) -> Path:
+    """The trained head in bfloat16 (loadable as redrafter:FOLDER), its training recorded
+    under "training" in config.json (ignored when loading)."""
+    from ..checkpoint import CONFIG
+
+    head.to(torch.bfloat16).save(folder)
+    path = folder / CONFIG
+    saved = json.loads(path.read_text())
+    saved["training"] = {"fit": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+                         "steps": state.step, "positions": state.tokens, "corpus_tokens": corpus.tokens,
+                         "argv": list(sys.argv)}
+    path.write_text(json.dumps(saved, indent=2, sort_keys=True, default=str))
+    return folder
+
+
+def write_curve_plot(out: Path) -> None:
+    """OUT/curve.png: held-out τ and top-1 accuracy per depth against training positions."""
+    path = out / CURVE
+    if not path.exists():
+        return
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    x = [r["positions"] for r in rows]
+    for key in sorted(k for k in rows[0] if k.startswith("eval_tau_w1_l")):
+        ax1.plot(x, [r[key] for r in rows], marker=".", label=f"L={key.rsplit('l', 1)[1]}")
+    for key in sorted(k for k in rows[0] if k.startswith("eval_acc1_")):
+        ax2.plot(x, [r[key] for r in rows], marker=".", label=f"depth {int(key.rsplit('_', 1)[1]) + 1}")
+    ax1.set(xlabel="training positions", ylabel="held-out greedy τ (W=1)", title="τ")
+    ax2.set(xlabel="training positions", ylabel="held-out top-1 accuracy", title="accuracy per depth")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "curve.png", dpi=100)
+    plt.close(fig)
+
+
+def run_fit(config: FitConfig) -> int:
+    """All stages; returns the exit code (0 also when the budget stopped it: rerun to go on)."""
+    from ..models import load_target
+
+    config.check()
+    budget = Budget(config.budget_seconds)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = load_target(config.target, config.device, config.dtype, config.trust_remote_code)
+    with sigterm_as_interrupt():
+        corpus, held = build_corpora(config, target, budget)
+    vocab = draft_vocabulary(config, corpus, held, int(target.vocab_size))
+    if budget.left() <= 0:
+        say(f"the budget ended before training; rerun the same command to continue ({len(corpus)} positions so far)")
+        return 0
+    train_head(config, target, corpus, held, vocab, budget)
+    return 0

@@ -1,0 +1,212 @@
+"""``specdraft fit`` and the pieces it adds: draft vocabularies, the position corpus, the
+corpus trainer and its held-out walk. Tiny random target, synthetic chat data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specdraft import SamplingParams, SpeculativeEngine, cli
+from specdraft.data import iter_conversations
+from specdraft.data.sharegpt import split_of
+from specdraft.drafters import NoDrafter
+from specdraft.drafters.registry import build_drafter
+from specdraft.redrafter import ReDrafterHead
+from specdraft.train.corpus import Corpus, corpus_manifest, extract
+from specdraft.train.examples import load_examples
+from specdraft.vocab import DraftVocab
+
+from test_train_redrafter import PROMPTS, cyclic_sharegpt
+
+
+# ---- draft vocabularies ----------------------------------------------------------------------
+
+
+def test_draft_vocab_worked_example():
+    vocab = DraftVocab.from_counts(torch.tensor([5, 0, 9, 1, 7, 0]), 3)
+    assert vocab.ids().tolist() == [0, 2, 4]
+    assert vocab.d2t.tolist() == [0, 1, 2] and vocab.t2d.tolist() == [True, False, True, False, True, False]
+    assert vocab.to_draft(torch.tensor([4, 1, -100, 0])).tolist() == [2, -1, -1, 0]
+    assert vocab.to_target(torch.tensor([2, 0])).tolist() == [4, 0]
+    full = vocab.scatter(torch.tensor([[1.0, 2.0, 3.0]]))
+    assert full[0, [0, 2, 4]].tolist() == [1.0, 2.0, 3.0] and torch.isinf(full[0, [1, 3, 5]]).all()
+    assert vocab.coverage(torch.tensor([5, 0, 9, 1, 7, 0])) == pytest.approx(21 / 22)
+    # Ties go to the lower id; the kept ids are increasing.
+    assert DraftVocab.from_counts(torch.tensor([1, 3, 3, 3]), 2).ids().tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("variant", ["own", "shared"])
+def test_draft_vocab_head_round_trips_and_stays_exact(tiny_target, tmp_path, variant):
+    """Saved and loaded, the vocabulary's buffers come back; the head's inference logits
+    are -inf outside it; greedy decoding with it is the target's own."""
+    torch.manual_seed(1)
+    vocab = DraftVocab(8, int(tiny_target.vocab_size))
+    vocab.set_ids(torch.tensor([0, 2, 3, 5, 7, 8, 11, 13]))
+    head = ReDrafterHead.for_target(tiny_target, head=variant, draft_vocab=vocab)
+    head.save(tmp_path / "h")
+    saved = load_file(tmp_path / "h" / "model.safetensors")
+    assert saved["draft_vocab.d2t"].dtype == torch.long and saved["draft_vocab.t2d"].dtype == torch.bool
+    loaded = ReDrafterHead.load(tmp_path / "h", tiny_target)
+    assert torch.equal(loaded.draft_vocab.ids(), vocab.ids())
+    h, s = torch.randn(3, 32), torch.randn(3, 32)
+    logits = loaded.logits(h, s)
+    assert logits.shape == (3, tiny_target.vocab_size)
+    outside = ~vocab.t2d
+    assert torch.isinf(logits[:, outside]).all() and torch.isfinite(logits[:, vocab.t2d]).all()
+    assert torch.allclose(logits[:, vocab.t2d], loaded.draft_logits(h, s), atol=1e-5)
+    params = SamplingParams(max_new_tokens=16)
+    ref = [r.token_ids for r in SpeculativeEngine(tiny_target, NoDrafter()).generate(PROMPTS, params)]
+    drafter = build_drafter(f"redrafter:{tmp_path / 'h'}", tiny_target, beam_width=2, beam_length=3)
+    got = [r.token_ids for r in SpeculativeEngine(tiny_target, drafter, max_tree_tokens=None).generate(PROMPTS, params)]
+    assert got == ref
+
+
+def test_inconsistent_vocab_buffers_are_refused(tiny_target, tmp_path):
+    from safetensors.torch import save_file
+
+    from specdraft.errors import SpecdraftError
+
+    vocab = DraftVocab(4, int(tiny_target.vocab_size))
+    vocab.set_ids(torch.tensor([0, 2, 3, 5]))
+    ReDrafterHead.for_target(tiny_target, draft_vocab=vocab).save(tmp_path / "h")
+    state = load_file(tmp_path / "h" / "model.safetensors")
+    state["draft_vocab.t2d"][1] = True  # 5 ids marked, 4 listed
+    save_file(state, tmp_path / "h" / "model.safetensors")
+    with pytest.raises(SpecdraftError, match="inconsistent"):
+        ReDrafterHead.load(tmp_path / "h", tiny_target)
+
+
+# ---- the corpus --------------------------------------------------------------------------------
+
+
+def mixed_sharegpt(path: Path, n_train: int = 24, n_heldout: int = 6) -> Path:
+    """Cyclic conversations (see test_train_redrafter), some of them in the held-out split."""
+    records = json.loads(cyclic_sharegpt(path, n=n_train + n_heldout).read_text())
+    held_ids = [f"h{i}" for i in range(100000) if split_of(f"h{i}") == "heldout"][:n_heldout]
+    for record, cid in zip(records[n_train:], held_ids):
+        record["id"] = cid
+    path.write_text(json.dumps(records))
+    return path
+
+
+@pytest.fixture
+def data(tmp_path) -> Path:
+    return mixed_sharegpt(tmp_path / "sg.json")
+
+
+def test_corpus_holds_what_the_target_computes(tiny_target, data, tmp_path):
+    """Every stored state is the target's own at that position, every greedy label its
+    argmax there, and gather's inputs/labels follow the documented layout."""
+    examples = load_examples(str(data), tiny_target.tokenizer, seq_len=48, K=3, eos_ids=tiny_target.eos_ids)
+    extract(tiny_target, examples, tmp_path / "c", corpus_manifest(tiny_target, examples, 48), chunk=5,
+            max_batch_tokens=100, progress=False)
+    corpus = Corpus(tmp_path / "c")
+    assert len(corpus.chunks) == 5 and corpus.tokens == sum(len(examples[i].input_ids) for i in range(len(examples)))
+    first = examples[0]
+    ids = torch.tensor([first.input_ids])
+    with torch.no_grad():
+        hidden = tiny_target.base(input_ids=ids).last_hidden_state[0]
+        argmax = tiny_target.logits(hidden).argmax(-1)
+    answer = [y != -100 for y in first.labels]
+    trained = [t for t in range(len(answer) - 2) if answer[t + 2]]
+    batch = corpus.gather(list(range(len(trained))), 3)
+    assert batch.t.tolist() == trained
+    assert torch.allclose(batch.hidden.float(), hidden[trained].to(torch.bfloat16).float())
+    for row, t in enumerate(trained):
+        for i in range(3):
+            valid = all(t + 2 + j < len(answer) and answer[t + 2 + j] for j in range(i + 1))
+            assert batch.labels[row, i] == (argmax[t + 1 + i] if valid else -100)
+            if valid:  # (inputs past a label's end are never read)
+                assert batch.inputs[row, i] == first.input_ids[t + 1 + i]
+    # Rerunning skips the chunks that are there; another setting is refused.
+    assert extract(tiny_target, examples, tmp_path / "c", corpus_manifest(tiny_target, examples, 48), chunk=5,
+                   progress=False).tokens == 0
+    from specdraft.errors import SpecdraftError
+    with pytest.raises(SpecdraftError, match="other settings"):
+        extract(tiny_target, examples, tmp_path / "c", corpus_manifest(tiny_target, examples, 40), chunk=5,
+                progress=False)
+
+
+# ---- the command -------------------------------------------------------------------------------
+
+
+def fit(target_path, data, out, *extra) -> int:
+    return cli.main(["fit", "--target", str(target_path), "--data", str(data), "--out", str(out), "--dtype",
+                     "float32", "--seq-len", "48", "--draft-vocab", "10", "-K", "3", "--batch-positions", "32",
+                     "--eval-every", "4", "--no-progress", *extra])
+
+
+@pytest.fixture
+def answers(tiny_target, data, tmp_path) -> Path:
+    from drafters_for_tests import greedy_answer_file
+
+    prompts = [c.messages[:1] for c in iter_conversations(data, "heldout")]
+    greedy_answer_file(tiny_target, prompts, tmp_path / "answers.jsonl")
+    return tmp_path / "answers.jsonl"
+
+
+def test_fit_end_to_end_then_exact_and_walk_is_engine_tau(tiny_target_path, tiny_target, data, answers, tmp_path):
+    out = tmp_path / "run"
+    assert fit(tiny_target_path, data, out, "--heldout-data", str(answers), "--epochs", "20", "--lr", "1e-2") == 0
+    vocab = json.loads((out / "vocab.json").read_text())
+    assert len(vocab["ids"]) == 10 and 0 < vocab["heldout_coverage"] <= 1
+    curve = [json.loads(line) for line in (out / "curve.jsonl").read_text().splitlines()]
+    assert curve[0]["positions"] == 0 and curve[-1]["positions"] > 0 and (out / "curve.png").is_file()
+    assert curve[-1]["eval_acc1_0"] > curve[0]["eval_acc1_0"]  # it learned
+    final = out / "final"
+    head = ReDrafterHead.load(final, tiny_target)
+    assert head.config.draft_vocab == 10 and head.dtype == torch.bfloat16
+    # The curve's τ is the engine's greedy τ on those answers (W = 1, every L).
+    from drafters_for_tests import engine_forwards
+    from specdraft.train.examples import load_examples as load
+    records = [json.loads(line) for line in answers.read_text().splitlines()]
+    examples = load(str(answers), tiny_target.tokenizer, seq_len=48, K=3, eos_ids=tiny_target.eos_ids)
+    examples = [examples[i] for i in range(len(examples))]
+    tokens = sum(len(r["response_ids"]) for r in records)
+    from specdraft.train.fit import CorpusEvaluator
+    from specdraft.train.redrafter import HeadObjective
+    found = CorpusEvaluator(Corpus(out / "heldout-corpus"), head.draft_vocab, 3, tiny_target.device)(
+        HeadObjective(head.float(), 3))
+    assert found["eval_tau_w1_l4"] > 1.2  # the check has teeth
+    for L in (2, 3, 4):
+        drafter = build_drafter(f"redrafter:{final}", tiny_target, beam_width=1, beam_length=L)
+        steps = engine_forwards(tiny_target, drafter, records, examples)  # asserts the target's own tokens
+        assert abs(steps - tokens / found[f"eval_tau_w1_l{L}"]) < 0.05, L
+
+
+def test_interrupted_fit_continues_to_the_same_weights(tiny_target_path, data, answers, tmp_path):
+    common = ["--heldout-data", str(answers), "--epochs", "3", "--save-every", "0"]
+    assert fit(tiny_target_path, data, tmp_path / "a", *common) == 0
+    assert fit(tiny_target_path, data, tmp_path / "b", *common, "--stop-after-steps", "3") == 0
+    assert not (tmp_path / "b" / "final").exists()
+    assert fit(tiny_target_path, data, tmp_path / "b", *common, "--stop-after-steps", "7") == 0
+    assert fit(tiny_target_path, data, tmp_path / "b", *common) == 0
+    a, b = (load_file(tmp_path / r / "final" / "model.safetensors") for r in "ab")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    curve = lambda r: [json.loads(x) for x in (tmp_path / r / "curve.jsonl").read_text().splitlines()]  # noqa: E731
+    assert curve("a") == curve("b")  # each evaluation once, with the same numbers
+
+
+def test_budget_stops_extraction_and_a_rerun_continues(tiny_target_path, data, answers, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert fit(tiny_target_path, data, out, "--heldout-data", str(answers), "--budget", "0.001s") == 0
+    assert "rerun the same command" in capsys.readouterr().err
+    assert not (out / "final").exists()
+    assert fit(tiny_target_path, data, out, "--heldout-data", str(answers), "--epochs", "1") == 0
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budget", "soon"], "--budget must be a duration"),
+    (["--tokens", "lots"], "--tokens must be a count"),
+    (["--draft-vocab", "-1"], "draft-vocab"),
+    (["--heldout-data", "/nonexistent.jsonl"], "not found"),
+])
+def test_bad_fit_options_are_one_line_errors(tiny_target_path, data, tmp_path, capsys, argv, message):
+    assert fit(tiny_target_path, data, tmp_path / "x", *argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
