@@ -210,3 +210,44 @@ def test_bad_fit_options_are_one_line_errors(tiny_target_path, data, tmp_path, c
     assert fit(tiny_target_path, data, tmp_path / "x", *argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_export_refuses_a_draft_vocab_head_with_the_reason(tiny_target, tmp_path):
+    from specdraft.errors import SpecdraftError
+    from specdraft.redrafter import export_trtllm
+
+    vocab = DraftVocab(4, int(tiny_target.vocab_size))
+    vocab.set_ids(torch.tensor([0, 2, 3, 5]))
+    ReDrafterHead.for_target(tiny_target, draft_vocab=vocab).save(tmp_path / "h")
+    with pytest.raises(SpecdraftError, match="no draft vocabulary"):
+        export_trtllm(tmp_path / "h", tmp_path / "out")
+
+
+@pytest.mark.parametrize("variant", ["own", "shared"])
+def test_medusa_heads_with_a_draft_vocab_round_trip_and_stay_exact(tiny_target, tmp_path, variant):
+    from specdraft.redrafter import MedusaHeads
+
+    vocab = DraftVocab(8, int(tiny_target.vocab_size))
+    vocab.set_ids(torch.tensor([0, 2, 3, 5, 7, 8, 11, 13]))
+    heads = MedusaHeads.for_target(tiny_target, num_heads=3, head=variant, draft_vocab=vocab)
+    if variant == "own":  # Medusa's start: each head is the target's own head, on the kept rows
+        assert torch.equal(heads.heads[0].out.weight, tiny_target.head.weight[vocab.ids()].float())
+    heads.save(tmp_path / "m")
+    loaded = MedusaHeads.load(tmp_path / "m", tiny_target)
+    logits = loaded.logits(torch.randn(2, 32))
+    assert logits.shape == (2, 3, tiny_target.vocab_size) and torch.isinf(logits[..., ~vocab.t2d]).all()
+    params = SamplingParams(max_new_tokens=16)
+    ref = [r.token_ids for r in SpeculativeEngine(tiny_target, NoDrafter()).generate(PROMPTS, params)]
+    drafter = build_drafter(f"medusa:{tmp_path / 'm'}", tiny_target, beam_width=3, beam_length=4)
+    got = [r.token_ids for r in SpeculativeEngine(tiny_target, drafter, max_tree_tokens=None).generate(PROMPTS, params)]
+    assert got == ref
+
+
+def test_fit_trains_medusa_heads_too(tiny_target_path, tiny_target, data, answers, tmp_path):
+    out = tmp_path / "m"
+    assert fit(tiny_target_path, data, out, "--drafter", "medusa", "--heldout-data", str(answers), "--epochs", "2") == 0
+    params = SamplingParams(max_new_tokens=16)
+    ref = [r.token_ids for r in SpeculativeEngine(tiny_target, NoDrafter()).generate(PROMPTS, params)]
+    drafter = build_drafter(f"medusa:{out / 'final'}", tiny_target, beam_width=2, beam_length=3)
+    got = [r.token_ids for r in SpeculativeEngine(tiny_target, drafter, max_tree_tokens=None).generate(PROMPTS, params)]
+    assert got == ref and drafter.heads.config.draft_vocab == 10

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .errors import SpecdraftError
 
-DRAFTERS = ("redrafter",)
+DRAFTERS = ("redrafter", "medusa")
 
 
 def parse_duration(text: str) -> float:
@@ -62,7 +62,8 @@ def add_fit(subparsers) -> None:
                    help="output over the N tokens the target writes most (0: whole vocabulary) (default: %(default)s)")
     g.add_argument("--head", choices=("own", "shared"), default="own", help="(default: %(default)s)")
     g.add_argument("--future-tokens", "-K", type=int, default=4, metavar="K", help="(default: %(default)s)")
-    g.add_argument("--num-blocks", type=int, default=2, metavar="N", help="(default: %(default)s)")
+    g.add_argument("--num-blocks", type=int, metavar="N",
+                   help="residual blocks (default: 2 for redrafter, as the paper; 1 per Medusa head)")
     g.add_argument("--init-from", metavar="PATH", help="start from this ReDrafter checkpoint's weights")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=2, help="(default: %(default)s)")
@@ -81,12 +82,12 @@ def add_fit(subparsers) -> None:
 def config_from(args: argparse.Namespace):
     from .train.fit import FitConfig
 
-    config = FitConfig(out=Path(args.out), target=args.target, dtype=args.dtype, device=args.device,
+    config = FitConfig(out=Path(args.out), drafter=args.drafter, target=args.target, dtype=args.dtype, device=args.device,
                        trust_remote_code=args.trust_remote_code, data=args.data, seq_len=args.seq_len,
                        tokens=parse_count(args.tokens) if args.tokens else None,
                        budget_seconds=parse_duration(args.budget) if args.budget else None,
                        extract_share=args.extract_share, heldout_prompts=args.heldout_prompts,
-                       draft_vocab=args.draft_vocab, head=args.head, K=args.future_tokens, num_blocks=args.num_blocks,
+                       draft_vocab=args.draft_vocab, head=args.head, K=args.future_tokens, num_blocks=args.num_blocks if args.num_blocks is not None else (2 if args.drafter == "redrafter" else 1),
                        epochs=args.epochs, batch_positions=args.batch_positions, lr=args.lr, warmup=args.warmup,
                        seed=args.seed, eval_every=args.eval_every, save_every_seconds=args.save_every,
                        progress=not args.no_progress, init_from=args.init_from,

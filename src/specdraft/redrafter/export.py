@@ -71,6 +71,13 @@ def export_trtllm(checkpoint_dir: str | Path, out_dir: str | Path, target=None) 
     from .model import ReDrafterHead
 
     config = read_head_config(checkpoint_dir, ReDrafterConfig)
+    if config.draft_vocab:
+        # The layout's output layer is exit_dim -> vocab_size with no bias and no id map:
+        # widening ours with zero rows would give every other token logit 0, not -inf, and
+        # change which tokens the head drafts. Refuse rather than export a different drafter.
+        raise SpecdraftError(f"{checkpoint_dir} drafts over a draft vocabulary of {config.draft_vocab} tokens; "
+                             "TensorRT-LLM's ReDrafter layout has no draft vocabulary (no id map, no bias to "
+                             "mask the other tokens): export a head trained with --draft-vocab 0")
     state = load_weights(checkpoint_dir)
     with torch.device("meta"):  # shapes only: no memory, no random init
         check_state(ReDrafterHead(config, parts=None), state, checkpoint_dir)  # type: ignore[arg-type]

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import target_signature
+from ..vocab import DraftVocab
 from .config import MedusaConfig
 from .model import ResidualBlock
 from .io import load_head, save_head
@@ -47,34 +48,42 @@ class MedusaHead(nn.Module):
 class MedusaHeads(nn.Module):
     """K heads. state_dict names: heads.{k}.blocks.{l}.linear.{weight,bias} (d, d)/(d,),
     and heads.{k}.out.weight (V, d) for head "own" (k = 0..K-1 predicts g0's (k+1)-th
-    successor)."""
+    successor). With a draft vocabulary of N tokens (``specdraft.vocab``): out.weight (N, d),
+    the shared variant uses those N rows of the target's head, and the buffers
+    draft_vocab.d2t (N,) / draft_vocab.t2d (V,) are saved too."""
 
     def __init__(self, config: MedusaConfig, parts: TargetParts):
         super().__init__()
         self.config = config
         self.parts = parts  # not registered: never saved or trained
         own = config.head == "own"
-        self.heads = nn.ModuleList(MedusaHead(config.hidden_size, config.vocab_size, config.num_blocks, own)
+        self.heads = nn.ModuleList(MedusaHead(config.hidden_size, config.output_size, config.num_blocks, own)
                                    for _ in range(config.num_heads))
+        self.draft_vocab = DraftVocab(config.draft_vocab, config.vocab_size) if config.draft_vocab else None
 
     @classmethod
     def for_target(cls, target, num_heads: int = 4, num_blocks: int = 1, head: str = "own",
-                   beam_width: int = 4, beam_length: int | None = None) -> "MedusaHeads":
+                   beam_width: int = 4, beam_length: int | None = None,
+                   draft_vocab: DraftVocab | None = None) -> "MedusaHeads":
         """Freshly initialised heads for ``target``, float32, on its device. The residual
         blocks start at zero and "own" output layers as copies of the target's LM head
         (Medusa's initialisation: every head starts out predicting what the target would
         predict next)."""
         config = MedusaConfig(hidden_size=int(target.hidden_size), vocab_size=int(target.vocab_size),
                               num_heads=num_heads, num_blocks=num_blocks, head=head, beam_width=beam_width,
-                              beam_length=beam_length, target=target_signature(target))
+                              beam_length=beam_length, target=target_signature(target),
+                              draft_vocab=draft_vocab.size if draft_vocab is not None else 0)
         heads = cls(config, TargetParts.of(target)).to(target.device)
+        if draft_vocab is not None:
+            heads.draft_vocab.set_ids(draft_vocab.ids())
+        rows = heads.draft_vocab.ids() if draft_vocab is not None else slice(None)
         with torch.no_grad():
             for h in heads.heads:
                 for block in h.blocks:
                     block.linear.weight.zero_()
                     block.linear.bias.zero_()
                 if head == "own" and getattr(target.head, "bias", None) is None:
-                    h.out.weight.copy_(target.head.weight.float())
+                    h.out.weight.copy_(target.head.weight[rows].float())
         return heads
 
     @classmethod
@@ -94,16 +103,22 @@ class MedusaHeads(nn.Module):
 
     def logits(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """hidden (..., d) -> (..., K', V) float32 logits of the first K' heads
-        (K' = num_heads or all K)."""
+        (K' = num_heads or all K); -inf outside the draft vocabulary if there is one."""
         hidden = hidden.to(self.dtype)
-        return torch.stack([self.head_logits(k, hidden) for k in range(num_heads or len(self.heads))], dim=-2)
+        out = torch.stack([self.head_logits(k, hidden) for k in range(num_heads or len(self.heads))], dim=-2)
+        return self.draft_vocab.scatter(out) if self.draft_vocab is not None else out
 
     def head_logits(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Head k alone: hidden (..., d) -> (..., V) float32 (training scores each head only
-        at the rows that have its label)."""
+        """Head k alone: hidden (..., d) -> (..., N) float32 over the output vocabulary (the
+        draft vocabulary, or all V) (training scores each head only at the rows that have
+        its label)."""
         head = self.heads[k]
         u = head.features(hidden.to(self.dtype))
-        return head.out(u).float() if self.config.head == "own" else self.parts.logits(u)
+        if self.config.head == "own":
+            return head.out(u).float()
+        if self.draft_vocab is not None:
+            return self.parts.rows_logits(u, self.draft_vocab.ids())
+        return self.parts.logits(u)
 
     def teacher_forced_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (B, T, d) -> (B, T, K, V): out[b, t, i] predicts x_{t+2+i}

@@ -15,7 +15,7 @@ Stages, each resumable and each skipped when its output is already complete:
                  corpus every ``eval_every`` steps: per-depth top-1 accuracy and the
                  engine-exact greedy τ at W = 1 (``train.walk``); OUT/curve.jsonl and
                  OUT/curve.png plot them against training positions
-    5. final     OUT/final, loadable as ``redrafter:OUT/final``
+    5. final     OUT/final, loadable as ``redrafter:OUT/final`` (``medusa:`` for Medusa heads)
 
 Objective (per trained position t, depth i = 0..K-1; labels from ``corpus.gather``):
 loss = Σ_i mean_{t: y_{t,i} in the draft vocabulary} CE(q_{t,i}, y_{t,i}), with y_{t,i} =
@@ -63,6 +63,7 @@ class FitConfig:
     """
 
     out: Path
+    drafter: str = "redrafter"  # or "medusa": K independent heads, the paper's baseline
     target: str = "default"
     dtype: str = "bfloat16"
     device: str = "cpu"
@@ -94,11 +95,15 @@ class FitConfig:
     stop_after_steps: int | None = None  # stop as if interrupted (tests of resumption)
 
     def check(self) -> None:
+        if self.num_blocks < 0:
+            raise SpecdraftError(f"num-blocks must be >= 0, got {self.num_blocks}")
         for name in ("seq_len", "K", "epochs", "batch_positions", "heldout_prompts", "heldout_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise SpecdraftError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.draft_vocab < 0 or not self.lr > 0 or not 0 <= self.warmup < 1 or not 0 < self.extract_share <= 1:
             raise SpecdraftError("need draft-vocab >= 0, lr > 0, 0 <= warmup < 1 and 0 < extract-share <= 1")
+        if self.drafter not in ("redrafter", "medusa"):
+            raise SpecdraftError(f"fit trains redrafter or medusa heads, got {self.drafter!r}")
         if self.tokens is not None and self.tokens < 1:
             raise SpecdraftError(f"tokens must be >= 1, got {self.tokens}")
         if self.budget_seconds is not None and not self.budget_seconds > 0:
@@ -317,15 +322,22 @@ def sigterm_as_interrupt():
 
 
 def build_objective(config: FitConfig, target, vocab: DraftVocab | None):
-    from ..redrafter import ReDrafterHead
+    """The head (fresh, or ``init_from``'s weights) and its loss, in float32."""
+    from ..redrafter import MedusaHeads, ReDrafterHead
     from .redrafter import HeadObjective
 
-    head = ReDrafterHead.for_target(target, num_blocks=config.num_blocks, head=config.head,
-                                    beam_width=config.beam_width, beam_length=config.beam_length, draft_vocab=vocab)
+    if config.drafter == "medusa":  # Medusa's own init: zero blocks, own heads = the target's head rows
+        head = MedusaHeads.for_target(target, num_heads=config.K, num_blocks=config.num_blocks, head=config.head,
+                                      beam_width=config.beam_width, beam_length=config.beam_length,
+                                      draft_vocab=vocab)
+    else:
+        head = ReDrafterHead.for_target(target, num_blocks=config.num_blocks, head=config.head,
+                                        beam_width=config.beam_width, beam_length=config.beam_length,
+                                        draft_vocab=vocab)
     if config.init_from:
-        warm = ReDrafterHead.load(config.init_from, target)
+        warm = type(head).load(config.init_from, target)
         head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in warm.state_dict().items()})
-    elif config.head == "shared":
+    elif config.head == "shared" and config.drafter == "redrafter":
         with torch.no_grad():
             head.proj.weight.zero_()  # uniform start (see train.redrafter.build_head)
     return HeadObjective(head.float(), config.K)
@@ -381,12 +393,12 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
     head = accelerator.unwrap_model(model).head
     write_curve_plot(Path(config.out))
     finish_run(accelerator, accelerator.is_main_process, finished, state, plan,
-               lambda: (save_final(head, Path(config.out) / "final", config, state, corpus), "redrafter"))
+               lambda: (save_final(head, Path(config.out) / "final", config, state, corpus), config.drafter))
     return finished
 
 
 def signature(config: FitConfig) -> dict:
-    keep = ("draft_vocab", "head", "K", "num_blocks", "epochs", "lr", "warmup", "weight_decay", "seed", "init_from",
+    keep = ("drafter", "draft_vocab", "head", "K", "num_blocks", "epochs", "lr", "warmup", "weight_decay", "seed", "init_from",
             "target", "dtype")
     return {k: getattr(config, k) for k in keep}
 
@@ -398,7 +410,7 @@ def summarise(found: dict, K: int) -> str:
 
 
 def save_final(head, folder: Path, config: FitConfig, state: TrainState, corpus: Corpus) -> Path:
-    """The trained head in bfloat16 (loadable as redrafter:FOLDER), its training recorded
+    """The trained head in bfloat16 (loadable as redrafter:FOLDER or medusa:FOLDER), its training recorded
     under "training" in config.json (ignored when loading)."""
     from ..checkpoint import CONFIG
 
