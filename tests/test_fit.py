@@ -183,6 +183,7 @@ def test_interrupted_fit_continues_to_the_same_weights(tiny_target_path, data, a
     assert fit(tiny_target_path, data, tmp_path / "a", *common) == 0
     assert fit(tiny_target_path, data, tmp_path / "b", *common, "--stop-after-steps", "3") == 0
     assert not (tmp_path / "b" / "final").exists()
+    assert (tmp_path / "b" / "latest" / "model.safetensors").is_file()  # usable mid-schedule
     assert fit(tiny_target_path, data, tmp_path / "b", *common, "--stop-after-steps", "7") == 0
     assert fit(tiny_target_path, data, tmp_path / "b", *common) == 0
     a, b = (load_file(tmp_path / r / "final" / "model.safetensors") for r in "ab")

@@ -18,7 +18,7 @@ def parse_duration(text: str) -> float:
         raise SpecdraftError(f"--budget must be a duration such as 90m, 2h or 1h30m, got {text!r}")
     h, m, s = (float(x) if x else 0.0 for x in parts.groups())
     seconds = 3600 * h + 60 * m + s
-    if seconds <= 0:
+    if not 0 < seconds < 1e9:
         raise SpecdraftError(f"--budget must be positive, got {text!r}")
     return seconds
 
@@ -29,8 +29,8 @@ def parse_count(text: str) -> int:
     if match is None:
         raise SpecdraftError(f"--tokens must be a count such as 500k, 20M or 1e6, got {text!r}")
     value = float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match.group(2).lower()]
-    if value < 1:
-        raise SpecdraftError(f"--tokens must be >= 1, got {text!r}")
+    if not 1 <= value < 1e15:
+        raise SpecdraftError(f"--tokens must be a count from 1 to 1e15, got {text!r}")
     return int(value)
 
 
@@ -67,6 +67,8 @@ def add_fit(subparsers) -> None:
     g.add_argument("--init-from", metavar="PATH", help="start from this ReDrafter checkpoint's weights")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=2, help="(default: %(default)s)")
+    g.add_argument("--max-steps", type=int, metavar="N", help="at most N optimizer steps (the LR schedule spans "
+                   "min(N, epochs))")
     g.add_argument("--batch-positions", type=int, default=1024, metavar="N", help="(default: %(default)s)")
     g.add_argument("--lr", type=float, default=1e-3, help="(default: %(default)s)")
     g.add_argument("--warmup", type=float, default=0.05, help="(default: %(default)s)")
@@ -88,7 +90,7 @@ def config_from(args: argparse.Namespace):
                        budget_seconds=parse_duration(args.budget) if args.budget else None,
                        extract_share=args.extract_share, heldout_prompts=args.heldout_prompts,
                        draft_vocab=args.draft_vocab, head=args.head, K=args.future_tokens, num_blocks=args.num_blocks if args.num_blocks is not None else (2 if args.drafter == "redrafter" else 1),
-                       epochs=args.epochs, batch_positions=args.batch_positions, lr=args.lr, warmup=args.warmup,
+                       epochs=args.epochs, max_steps=args.max_steps, batch_positions=args.batch_positions, lr=args.lr, warmup=args.warmup,
                        seed=args.seed, eval_every=args.eval_every, save_every_seconds=args.save_every,
                        progress=not args.no_progress, init_from=args.init_from,
                        heldout_data=args.heldout_data, stop_after_steps=args.stop_after_steps)

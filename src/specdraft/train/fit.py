@@ -81,6 +81,7 @@ class FitConfig:
     K: int = 4
     num_blocks: int = 2
     epochs: int = 2
+    max_steps: int | None = None  # cap on optimizer steps (the LR schedule spans the cap)
     batch_positions: int = 1024
     lr: float = 1e-3
     warmup: float = 0.05
@@ -95,8 +96,11 @@ class FitConfig:
     stop_after_steps: int | None = None  # stop as if interrupted (tests of resumption)
 
     def check(self) -> None:
-        if self.num_blocks < 0:
-            raise SpecdraftError(f"num-blocks must be >= 0, got {self.num_blocks}")
+        if self.num_blocks < 0 or self.eval_every < 0 or self.seq_len < 3:
+            raise SpecdraftError(f"need num-blocks >= 0, eval-every >= 0 and seq-len >= 3, got {self.num_blocks}, "
+                                 f"{self.eval_every} and {self.seq_len}")
+        if not 0 <= self.save_every_seconds < 1e9:
+            raise SpecdraftError(f"save-every must be a number of seconds >= 0, got {self.save_every_seconds}")
         for name in ("seq_len", "K", "epochs", "batch_positions", "heldout_prompts", "heldout_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise SpecdraftError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -104,6 +108,8 @@ class FitConfig:
             raise SpecdraftError("need draft-vocab >= 0, lr > 0, 0 <= warmup < 1 and 0 < extract-share <= 1")
         if self.drafter not in ("redrafter", "medusa"):
             raise SpecdraftError(f"fit trains redrafter or medusa heads, got {self.drafter!r}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise SpecdraftError(f"max-steps must be >= 1, got {self.max_steps}")
         if self.tokens is not None and self.tokens < 1:
             raise SpecdraftError(f"tokens must be >= 1, got {self.tokens}")
         if self.budget_seconds is not None and not self.budget_seconds > 0:
@@ -355,7 +361,7 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
                                    mixed_precision="bf16" if config.dtype == "bfloat16" else "no")
     blocks = math.ceil(len(corpus) / BLOCK)
     plan = Plan(blocks, max(1, config.batch_positions // BLOCK), 1, accelerator.num_processes, config.epochs,
-                None, config.seed)
+                config.max_steps, config.seed)
     set_seed(config.seed)
     model = build_objective(config, target, vocab)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
@@ -394,11 +400,15 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
     write_curve_plot(Path(config.out))
     finish_run(accelerator, accelerator.is_main_process, finished, state, plan,
                lambda: (save_final(head, Path(config.out) / "final", config, state, corpus), config.drafter))
+    if not finished and accelerator.is_main_process and state.step:
+        # A usable drafter even mid-schedule (the checkpoint's weights; training goes on from the checkpoint).
+        latest = save_final(head, Path(config.out) / "latest", config, state, corpus)
+        say(f"the head as it stands is in {latest} (use --drafter {config.drafter}:{latest})")
     return finished
 
 
 def signature(config: FitConfig) -> dict:
-    keep = ("drafter", "draft_vocab", "head", "K", "num_blocks", "epochs", "lr", "warmup", "weight_decay", "seed", "init_from",
+    keep = ("drafter", "draft_vocab", "head", "K", "num_blocks", "epochs", "max_steps", "lr", "warmup", "weight_decay", "seed", "init_from",
             "target", "dtype")
     return {k: getattr(config, k) for k in keep}
 
@@ -410,17 +420,17 @@ def summarise(found: dict, K: int) -> str:
 
 
 def save_final(head, folder: Path, config: FitConfig, state: TrainState, corpus: Corpus) -> Path:
-    """The trained head in bfloat16 (loadable as redrafter:FOLDER or medusa:FOLDER), its training recorded
-    under "training" in config.json (ignored when loading)."""
-    from ..checkpoint import CONFIG
+    """The head's weights in bfloat16 (the head itself is left as it is), loadable as
+    redrafter:FOLDER or medusa:FOLDER, its training recorded under "training" in
+    config.json (ignored when loading)."""
+    from ..checkpoint import save_checkpoint
 
-    head.to(torch.bfloat16).save(folder)
-    path = folder / CONFIG
-    saved = json.loads(path.read_text())
+    weights = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in head.state_dict().items()}
+    saved = head.config.to_dict()
     saved["training"] = {"fit": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
                          "steps": state.step, "positions": state.tokens, "corpus_tokens": corpus.tokens,
                          "argv": list(sys.argv)}
-    path.write_text(json.dumps(saved, indent=2, sort_keys=True, default=str))
+    save_checkpoint(folder, saved, weights)
     return folder
 
 
