@@ -27,7 +27,9 @@ RESULT_FIELDS = {"id", "text", "token_ids", "new_tokens", "steps", "tokens_per_s
 
 
 def generate(target_path, *extra: str) -> int:
-    return main(["generate", "--target", str(target_path), "--no-chat", "--max-new-tokens", "24", *extra])
+    # float32 pinned: the references are float32, and --dtype auto would add its stderr line.
+    return main(["generate", "--target", str(target_path), "--no-chat", "--max-new-tokens", "24", "--dtype", "float32",
+                 *extra])
 
 
 def json_lines(out: str) -> list[dict]:

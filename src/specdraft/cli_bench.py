@@ -39,14 +39,16 @@ def str_list(text: str) -> list[str]:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Target options (as in ``generate``, but the dtype defaults by device)."""
-    from .models import DTYPES
+    """Target options (as in ``generate``)."""
+    from .models import DTYPE_CHOICES
 
     g = p.add_argument_group("target model")
     g.add_argument("--target", default="default", metavar="default|PATH|HUB_ID",
                    help="the model to decode (default: %(default)s, SmolLM2-135M-Instruct)")
     g.add_argument("--device", default="cpu", metavar="cpu|cuda", help="(default: %(default)s)")
-    g.add_argument("--dtype", choices=list(DTYPES), help="(default: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
+                   help="auto: bfloat16 where the device computes it natively, else float32; every method, "
+                        "transformers' peers included, runs at this dtype (default: %(default)s)")
     g.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code to run")
 
 
@@ -86,6 +88,12 @@ def base_config(args: argparse.Namespace, **extra):
         resume=args.resume, warmup=args.warmup, progress=args.progress, command=args.command_line, **extra)
 
 
+def resolve_dtype_arg(args: argparse.Namespace) -> None:
+    from .cli import resolve_dtype_arg as resolve  # here: cli imports this module
+
+    resolve(args)
+
+
 def check_device(args: argparse.Namespace) -> None:
     from .models import parse_device
 
@@ -114,6 +122,10 @@ def add_bench(subparsers) -> None:
     g.add_argument("--beam-length", type=int, metavar="L",
                    help="tokens per beam, g0 included (drafter default if unset)")
     g.add_argument("--gamma", type=int, metavar="G", help="tokens a draft model drafts per step")
+    g.add_argument("--adaptive", choices=("on", "off", "refresh"), default="on",
+                   help="on: each step drafts only as deep as pays on this machine, or not at all, from a cost model of the "
+                        "target (measured once, a few seconds, cached) and each request's acceptance so far; off: the "
+                        "drafter's fixed shape; refresh: re-measure the cost model, then on (default: %(default)s)")
     g.add_argument("--mt-bench-turns", type=int, default=1, choices=(1, 2),
                    help="2: measure MT-Bench's second turn, after the method's own greedy first answer (default: 1)")
     v = p.add_argument_group("verify cost (instead of the methods)")
@@ -138,22 +150,28 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     check_device(args)
     check_shapes(args.beam_width, args.beam_length, args.gamma)
+    if args.verify_trials < 1:
+        raise SpecdraftError(f"--verify-trials must be >= 1, got {args.verify_trials}")
+    if args.random_target and not args.verify_cost:
+        raise SpecdraftError("--random-target applies to --verify-cost only")
     cfg = base_config(args, drafters=args.drafters, batch_sizes=args.batch_sizes, temperatures=args.temperatures,
                       beam_width=args.beam_width, beam_length=args.beam_length, gamma=args.gamma,
-                      mt_bench_turns=args.mt_bench_turns)
+                      mt_bench_turns=args.mt_bench_turns, adaptive=args.adaptive)
+    if not args.verify_cost:
+        cfg.validate()
+    resolve_dtype_arg(args)
+    cfg.dtype = args.dtype
     if args.verify_cost:
         from .bench.verify_cost import DEFAULT_TOKENS, run_verify_cost
 
-        if args.verify_trials < 1:
-            raise SpecdraftError(f"--verify-trials must be >= 1, got {args.verify_trials}")
         result = run_verify_cost(cfg, args.verify_tokens or list(DEFAULT_TOKENS), args.verify_prefix,
                                  args.verify_trials, args.random_target)
-        print(f"verify cost of {len(result['rows'])} tree sizes written to {args.out}/verify_cost.md", file=sys.stderr)
+        print(f"verify cost of {len(result['rows'])} tree sizes ({result['environment']['dtype']}) written to "
+              f"{args.out}/verify_cost.md", file=sys.stderr)
         return 0
-    if args.random_target:
-        raise SpecdraftError("--random-target applies to --verify-cost only")
     results = run_bench(cfg)
-    print(f"{len(results['runs'])} rows in {args.out}/results.json; tables in {args.out}/report.md", file=sys.stderr)
+    print(f"{len(results['runs'])} rows ({results['environment']['dtype']}) in {args.out}/results.json; "
+          f"tables in {args.out}/report.md", file=sys.stderr)
     return 0
 
 
@@ -187,8 +205,10 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     check_device(args)
     if len(args.dataset) != 1:
         raise SpecdraftError("sweep measures one dataset at a time")
+    resolve_dtype_arg(args)
     lengths = args.lengths if args.lengths or args.gammas else [3, 5, 8]
     cfg = base_config(args, batch_sizes=[args.batch_size], temperatures=[args.temperature])
+    cfg.dtype = args.dtype
     results = run_sweep(cfg, args.drafter, args.widths, lengths, args.gammas, record=args.record)
     best = results["best"]
     where = f"; recorded in {best['recorded_in']}" if best["recorded_in"] else ""

@@ -130,16 +130,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m specdraft.cli_serve ARGS`` = ``specdraft serve ARGS``."""
-    from .cli import EXIT_USAGE, one_line
+    from .cli import run_command
 
     parser = argparse.ArgumentParser(prog="specdraft")
     add_serve(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.run(args)
-    except SpecdraftError as e:
-        print(f"specdraft: error: {one_line(e)}", file=sys.stderr)
-        return EXIT_USAGE
+    return run_command(parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)]))
 
 
 if __name__ == "__main__":

@@ -270,6 +270,7 @@ def run_distill(args: argparse.Namespace) -> int:
 
         convs, stats = load_conversations(_sharegpt_path(args.data), args.split, args.limit)
         print(f"specdraft: ShareGPT: {stats.summary()}", file=sys.stderr)
+        cli.resolve_dtype_arg(args)
         with cli.quiet_loading():
             target = load_target(args.target, args.device, args.dtype, args.trust_remote_code)
         report = distill.distill_next_k(target, convs, args.out, K=args.future_tokens, seq_len=args.seq_len,

@@ -13,12 +13,13 @@ from __future__ import annotations
 import time
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
 
 from .acceptance import Acceptance, accept_chain_sampling, accept_greedy, accept_tree_sampling
+from .adaptive import SLACK, AdaptivePolicy, children_confidence
 from .cache import CompactCache
 from .drafters.base import DraftContext, Drafter, Proposal
 from .errors import SpecdraftError
@@ -81,6 +82,7 @@ class GenerationResult:
     accepted_hist: dict[int, int]  # tokens gained per step -> number of steps
     drafted_hist: dict[int, int] = field(default_factory=dict)  # drafted depth offered per step -> steps
     tree_tokens: int = 0  # tokens the target verified in decode steps (tree sizes, g0 included)
+    off_steps: int = 0  # decode steps adaptive drafting ran as plain decoding (no drafter call)
 
     @property
     def new_tokens(self) -> int:
@@ -103,7 +105,7 @@ class GenerationResult:
             "stage_seconds": self.stage_seconds,
             "accepted_hist": {str(k): v for k, v in sorted(self.accepted_hist.items())},
             "drafted_hist": {str(k): v for k, v in sorted(self.drafted_hist.items())},
-            "tree_tokens": self.tree_tokens,
+            "tree_tokens": self.tree_tokens, "off_steps": self.off_steps,
         }
 
 
@@ -129,22 +131,28 @@ class _Row:
     tree_tokens: int = 0
     finish_reason: str | None = None
     started: float = field(default_factory=time.perf_counter)
+    adapt: object = None  # adaptive.RowStats when the engine has a policy
 
 
 class SpeculativeEngine:
     """Exact speculative decoding of ``target`` with candidates from ``drafter``."""
 
-    def __init__(self, target: Target, drafter: Drafter, max_tree_tokens: int | None | str = "auto"):
+    def __init__(self, target: Target, drafter: Drafter, max_tree_tokens: int | None | str = "auto",
+                 policy: AdaptivePolicy | None = None):
         """``max_tree_tokens``: the most tokens a verify step may hold over the whole batch;
         each row's beams are cut to depth ``max_tree_tokens // rows`` (at least g0 alone).
         Under load a tree costs more than it saves: on 2 CPU cores with lookup drafting,
         16 concurrent requests fell from 94.6 to 56.9 tokens/s without a cap and ran at
-        86.9 (plain decoding's rate) with a cap of 8. "auto": 8 on CPU, no cap on GPUs;
-        None: no cap."""
+        86.9 (plain decoding's rate) with a cap of 8. "auto": 8 on CPU, no cap on GPUs,
+        no cap with a policy (it weighs the tree's cost itself); None: no cap.
+
+        ``policy``: adaptive drafting (``specdraft.adaptive``): each step drafts only as
+        deep as pays, or not at all; None keeps the drafter's fixed shape."""
         self.target = target
         self.drafter = drafter
+        self.policy = policy
         if max_tree_tokens == "auto":
-            max_tree_tokens = 8 if target.device.type == "cpu" else None
+            max_tree_tokens = 8 if target.device.type == "cpu" and policy is None else None
         self.max_tree_tokens = max_tree_tokens
 
     # ---- public API -------------------------------------------------------------------
@@ -227,10 +235,24 @@ class SpeculativeEngine:
         return batch, events
 
     def step(self, batch: "Batch") -> list[StepEvent]:
-        """One draft -> verify -> accept -> update round for every row of ``batch``."""
+        """One draft -> verify -> accept -> update round for every row of ``batch``.
+
+        With a policy, a step it plans without drafting (and one whose proposal holds no
+        drafted token) runs as ``_plain_step``: no drafter call, no tree packing."""
         target, timer, cache, ctx = self.target, batch.timer, batch.cache, batch.ctx
+        stats = [r.adapt for r in batch.rows] if self.policy is not None else None
+        if stats is not None:
+            depth = self.policy.plan(stats, ctx.budget, cache.width)
+            if depth == 0:
+                return self._plain_step(batch, proposed=False)
+            ctx = replace(ctx, budget=ctx.budget.clamp(max=depth + 1 + SLACK))
         with timer("draft"):
+            started = time.perf_counter()
             proposal = self._clip(self.drafter.propose(ctx), ctx.budget)
+            if stats is not None:
+                proposal = self._adapt(proposal, batch, ctx, depth, time.perf_counter() - started)
+        if self._plain(proposal, stats):
+            return self._plain_step(batch, proposed=True)
         with timer("verify"):
             tree = pack_beams(proposal.beams, proposal.valid)
             positions = cache.lengths[:, None] + tree.depth
@@ -245,6 +267,10 @@ class SpeculativeEngine:
             batch.hidden = tree_hidden[torch.arange(len(batch.rows), device=tree_hidden.device), acc.last]
             # Drafted depth offered per row: the longest valid beam, g0 not counted.
             offered = (proposal.valid.any(dim=1).sum(dim=-1) - 1).tolist()
+            if stats is not None:
+                predicted = None if proposal.confidence is None else \
+                    children_confidence(tree.owner, tree.valid, proposal.confidence, acc.beam)
+                self.policy.observe(stats, offered, (acc.n - 1).tolist(), predicted, off=False)
             sizes = tree.real.sum(dim=1).tolist()
             gained = []
             for row, path, n, nxt, depth, size in zip(batch.rows, path_tokens.tolist(), acc.n.tolist(),
@@ -255,6 +281,57 @@ class SpeculativeEngine:
                 row.tree_tokens += size
                 gained.append(path[1:n] + [nxt])
             events = self._append(batch, gained)
+            batch.ctx = self._context(batch.rows, batch.hidden)
+            self._drop_finished(batch)
+        return events
+
+    def _adapt(self, proposal: Proposal, batch: "Batch", ctx: DraftContext, depth: int,
+               seconds: float) -> Proposal:
+        """Cut the proposal to what the policy finds worth verifying (valid mask only)."""
+        stats = [r.adapt for r in batch.rows]
+        self.policy.draft_time.record(depth + SLACK, seconds)
+        # Sampled drafts (q) must not be cut by their own drawn tokens' confidences.
+        use_conf = ctx.greedy | (proposal.q is None)
+        probe = any(s.probe_due for s in stats)
+        valid = self.policy.choose(proposal, stats, use_conf, batch.cache.width, seconds, probe)
+        return replace(proposal, valid=valid)
+
+    @staticmethod
+    def _plain(proposal: Proposal, stats) -> bool:
+        """Whether a proposal without drafted tokens may run as ``_plain_step``. The plain
+        step consumes a sampling row's generator differently from a tree's verification,
+        so it is taken only where that cannot depend on the other rows: a drafter that
+        never drafts (shape 1 x 1), or a policy without seeded sampling rows."""
+        if proposal.valid[:, :, 1:].any():
+            return False
+        return proposal.beams.shape[1:] == (1, 1) or (stats is not None and not any(s.fixed for s in stats))
+
+    def _plain_step(self, batch: "Batch", proposed: bool) -> list[StepEvent]:
+        """One autoregressive step for every row: the cheapest step there is (g0 alone,
+        no tree). ``proposed``: the drafter was called this step (it observes the outcome)."""
+        target, timer, cache, rows = self.target, batch.timer, batch.cache, batch.rows
+        B, device = len(rows), target.device
+        with timer("verify"):
+            g0 = batch.ctx.g0[:, None]
+            mask = cache.attention_mask(torch.ones(B, 1, 1, dtype=torch.bool, device=device))
+            hidden = target.forward(g0, cache.lengths[:, None], mask, cache)[:, 0]
+            logits = target.logits(hidden)
+        with timer("accept"):
+            chosen = self._choose(rows, logits)
+        with timer("update"):
+            ones = torch.ones(B, dtype=torch.long, device=device)
+            cache.commit(torch.zeros(B, 1, dtype=torch.long, device=device), ones)
+            if proposed:
+                self.drafter.observe(batch.ctx, g0, ones)
+            batch.hidden = hidden
+            if self.policy is not None:
+                self.policy.observe([r.adapt for r in rows], [0] * B, [0] * B, None, off=not proposed)
+            for row in rows:
+                row.steps += 1
+                row.hist[1] += 1
+                row.drafted[0] += 1
+                row.tree_tokens += 1
+            events = self._append(batch, [[t] for t in chosen.tolist()])
             batch.ctx = self._context(batch.rows, batch.hidden)
             self._drop_finished(batch)
         return events
@@ -278,7 +355,8 @@ class SpeculativeEngine:
                 raise SpecdraftError(
                     f"prompt has {len(prompt)} tokens; the target's context is {self.target.max_context}")
             gen = None if p.greedy else make_generator(p.seed, self.target.device)
-            rows.append(_Row(index=i, prompt=list(prompt), params=p, generator=gen))
+            adapt = self.policy.new_row(self.drafter, p) if self.policy is not None else None
+            rows.append(_Row(index=i, prompt=list(prompt), params=p, generator=gen, adapt=adapt))
         return rows
 
     def _prefill(self, rows: list[_Row], capacity: int) -> tuple[torch.Tensor, CompactCache]:
@@ -359,7 +437,7 @@ class SpeculativeEngine:
         """Drop candidate tokens beyond a row's budget (see ``_context``)."""
         depth = torch.arange(proposal.beams.shape[2], device=budget.device)
         valid = proposal.valid & (depth[None, None, :] < budget[:, None, None])
-        return Proposal(beams=proposal.beams, valid=valid, q=proposal.q)
+        return replace(proposal, valid=valid)
 
     def _accept(self, rows: list[_Row], tree: TreeBatch, proposal: Proposal, logits: torch.Tensor) -> Acceptance:
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
@@ -429,7 +507,8 @@ class SpeculativeEngine:
             token_ids=list(row.generated), text=text, prompt_tokens=len(row.prompt),
             finish_reason=row.finish_reason or "length", steps=row.steps,
             seconds=time.perf_counter() - row.started, stage_seconds=dict(timer.seconds),
-            accepted_hist=dict(row.hist), drafted_hist=dict(row.drafted), tree_tokens=row.tree_tokens)
+            accepted_hist=dict(row.hist), drafted_hist=dict(row.drafted), tree_tokens=row.tree_tokens,
+            off_steps=row.adapt.off_steps if row.adapt is not None else 0)
 
     def _drop_finished(self, batch: "Batch", tell_drafter: bool = True) -> None:
         alive = [i for i, r in enumerate(batch.rows) if r.finish_reason is None]

@@ -1,24 +1,25 @@
-"""CPU matmul layout for the few-token forwards of speculative decoding.
+"""CPU matmul layouts for the few-row forwards of decoding, chosen per dtype by measurement.
 
-On CPU (MKL), ``x @ W.T`` with a handful of rows (2..16 tree tokens) runs far below
-memory bandwidth: for SmolLM2's 49152 x 576 LM head it takes ~20 ms for 2 rows against
-~9 ms for 1. The same product computed as ``(W @ x.T).T`` takes ~5 ms. Its result is the
-transpose of a contiguous matrix; it is made contiguous again (a copy of rows x out
-floats) because the attention that follows is much slower on the transposed layout, the
-more so the more batch rows (16 rows x 1 token: 209 ms transposed, 120 ms contiguous,
-133 ms stock). Measured on SmolLM2, 300 cached tokens per row, target forward:
+In float32 on CPU (MKL), ``x @ W.T`` with a handful of rows runs far below memory
+bandwidth, and with one row (a matrix-vector product) it is no better. For SmolLM2's
+49152 x 576 LM head (AMD EPYC, 2 cores, float32): ``F.linear`` takes 7.6 ms for 1 row and
+more for 2-16 rows, ``(W @ x.T).T`` takes 2.7 ms for 2 rows. One row is padded to two
+(a zero row) so that it takes the same matrix-matrix kernel: plain decoding must not pay a
+slower kernel than a 2-token tree does, or every speed-up over it is inflated. The
+product's result is the transpose of a contiguous matrix; it is made contiguous again (a
+copy of rows x out floats) because the attention that follows is much slower on the
+transposed layout (16 rows x 1 token: 209 ms transposed, 120 ms contiguous, 133 ms stock).
 
-    rows (batch x tokens)   1x1   1x2   1x4   1x8   2x1   4x1   8x1   16x1   32x1
-    stock F.linear, ms       54    93   105   115    91   100   114    133    198
-    this layout, ms          54    54    59    83    54    59    88    120    184
-
-so verifying 2-4 tree tokens costs what decoding one token costs.
+In bfloat16 (oneDNN kernels, AVX512-BF16) the stock ``F.linear`` is the fastest at every
+row count measured (1-16 rows; the transposed layout made a 4-token forward 37 ms against
+29 ms), so bfloat16 and float16 keep it. ``LAYOUTS`` records the choice per dtype; the
+figures are in docs/engine.md ("Kernels per dtype").
 
 ``small_batch_linear(model)`` patches the model's ``nn.Linear`` instances (not the class)
 so that, only inside ``active()`` and only on CPU with at most ``MAX_ROWS`` rows, they use
-that layout. Outside ``active()`` (e.g. transformers' own ``generate`` on the same model,
-a baseline in our benchmarks) they behave exactly as stock. The result equals F.linear up
-to floating-point summation order.
+the dtype's layout. Outside ``active()`` (e.g. transformers' own ``generate`` on the same
+model, a baseline in our benchmarks) they behave exactly as stock. The result equals
+F.linear up to floating-point summation order.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 32  # measured on SmolLM2 (docs above): better from 2 to 32 rows, equal at 1
+MAX_ROWS = 32  # measured on SmolLM2 (docs above): better from 1 to 32 rows in float32
+TRANSPOSED = "transposed"  # (W @ x.T).T, one row padded to two
+LAYOUTS = {torch.float32: TRANSPOSED}  # weight dtype -> layout on CPU; absent: stock F.linear
 _depth = 0  # > 0 while an engine forward runs
 
 
@@ -43,17 +46,65 @@ def active():
         _depth -= 1
 
 
+def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) computed as (W @ x.T).T; x (..., in) -> (..., out), contiguous.
+
+    A single row is padded with a zero row: MKL runs the 2-column matrix product at memory
+    bandwidth but the 1-column one (a matrix-vector product) at half of it or less."""
+    rows = x.numel() // x.shape[-1]
+    flat = x.reshape(rows, x.shape[-1])
+    if rows == 1:
+        flat = F.pad(flat, (0, 0, 0, 1))
+    y = (weight @ flat.T).T[:rows].contiguous()
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # Cheap tests first: this runs for every linear of every forward.
-    if _depth == 0 or x.is_cuda:
+    if _depth == 0 or x.is_cuda or self.weight.dtype not in LAYOUTS:
         return F.linear(x, self.weight, self.bias)
-    rows = x.numel() // x.shape[-1]
-    if not 2 <= rows <= MAX_ROWS or x.device.type != "cpu":
+    if x.numel() > MAX_ROWS * x.shape[-1] or x.device.type != "cpu":
         return F.linear(x, self.weight, self.bias)
-    y = (self.weight @ x.reshape(rows, x.shape[-1]).T).T.contiguous()
-    if self.bias is not None:
-        y = y + self.bias
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+    return transposed_linear(x, self.weight, self.bias)
+
+
+# Query rows per SDPA call in an engine forward that attends to a cache, per dtype. On CPU in
+# bfloat16 (torch 2.13), a query row's attention output is bitwise the one-query result for
+# calls of up to 3 query rows and differs in the last bits from 4 rows on (another kernel
+# path); those bits are what made tree verification part ways with one-token decoding.
+# Attention is a small part of a forward, so the few extra calls cost little.
+QUERY_CHUNK = {torch.bfloat16: 3, torch.float16: 3}
+ATTENTION = "specdraft_sdpa"  # the attn_implementation name targets load with
+
+
+def chunked_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, **kwargs):
+    """transformers' SDPA attention; inside ``active()``, on CPU at a dtype of ``QUERY_CHUNK``,
+    queries (B, H, q, D) that attend to a cache (more keys than queries: a verify step, not a
+    prefill) run in groups of ``QUERY_CHUNK[dtype]`` rows. Returns ((B, q, H, D), None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    rows, q = QUERY_CHUNK.get(query.dtype), query.shape[2]
+    if _depth == 0 or rows is None or q <= rows or key.shape[2] <= q or query.device.type != "cpu":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    outs = []
+    for s in range(0, q, rows):
+        mask = None if attention_mask is None else attention_mask[:, :, s: s + rows]
+        outs.append(sdpa_attention_forward(module, query[:, :, s: s + rows], key, value, mask, **kwargs)[0])
+    return torch.cat(outs, dim=1), None
+
+
+def register_attention() -> str:
+    """Register ``chunked_sdpa`` with transformers (idempotent, with SDPA's mask maker);
+    returns its attn_implementation name."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(ATTENTION, chunked_sdpa)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    return ATTENTION
 
 
 def small_batch_linear(model: torch.nn.Module) -> torch.nn.Module:

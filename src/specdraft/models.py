@@ -88,11 +88,49 @@ def resolve_target(spec: str) -> str:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)  # what --dtype accepts; "auto" is resolved by resolve_dtype
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 arithmetic
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none, e.g. macOS)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` runs bfloat16 arithmetic natively: a CUDA device that supports
+    it, or a CPU with AVX512-BF16 or AMX.
+    Elsewhere bf16 is emulated through float32 and is slower than float32 itself."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    if any(flag in cpu_flags() for flag in BF16_CPU_FLAGS):
+        return True
+    # Without /proc/cpuinfo: torch's own probes (private, hence looked up defensively).
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+def resolve_dtype(name: str, device: str | torch.device = "cpu") -> str:
+    """'auto' -> 'bfloat16' where the device runs it natively, else 'float32'; any other
+    name is checked and returned as is."""
+    if name != "auto":
+        parse_dtype(name)
+        return name
+    return "bfloat16" if native_bf16(torch.device(device)) else "float32"
 
 
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
-        raise SpecdraftError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+        raise SpecdraftError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_CHOICES)}")
     return DTYPES[name]
 
 
@@ -192,18 +230,25 @@ class Target:
         return self.tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
-def load_target(spec: str = "default", device: str = "cpu", dtype: str = "float32",
+def load_target(spec: str = "default", device: str = "cpu", dtype: str = "auto",
                 trust_remote_code: bool = False) -> Target:
-    """Load a causal LM (safetensors weights only) and its tokenizer."""
+    """Load a causal LM (safetensors weights only) and its tokenizer.
+
+    dtype: 'auto' (bfloat16 where the device runs it natively, else float32; see
+    ``resolve_dtype``), 'float32', 'bfloat16' or 'float16'."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_target(spec)
-    dev, dt = parse_device(device), parse_dtype(dtype)
+    dev = parse_device(device)
+    dt = parse_dtype(resolve_dtype(dtype, dev))
+    # In reduced precision, SDPA with the engine's tree queries chunked (fastpath.chunked_sdpa):
+    # bitwise the attention of one-token decoding; outside engine forwards it is plain SDPA.
+    attention = fastpath.register_attention() if dt in fastpath.QUERY_CHUNK else "sdpa"
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dt, use_safetensors=True, trust_remote_code=trust_remote_code,
-            attn_implementation="sdpa")
+            attn_implementation=attention)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SpecdraftError(f"could not load target {spec}: {first}") from None

@@ -40,11 +40,13 @@ def mtbench_first_turns() -> list[dict]:
 def read_prompts_file(path: str) -> list[dict]:
     """One JSON object per line with a 'prompt' string and an optional 'id'."""
     p = Path(path)
+    if p.is_dir():
+        raise SpecdraftError(f"prompts file {path} is a directory, not a file")
     if not p.is_file():
         raise SpecdraftError(f"prompts file not found: {path}")
     items = []
-    with open(p, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(p, encoding="utf-8", errors="strict") as f:
+        for n, line in enumerate(_decoded(f, path), 1):
             if not line.strip():
                 continue
             try:
@@ -57,6 +59,14 @@ def read_prompts_file(path: str) -> list[dict]:
     if not items:
         raise SpecdraftError(f"{path} holds no prompts")
     return items
+
+
+def _decoded(lines, path: str):
+    """The lines of a text file opened as UTF-8; bytes that are not UTF-8 are a SpecdraftError."""
+    try:
+        yield from lines
+    except UnicodeDecodeError as e:
+        raise SpecdraftError(f"{path} is not UTF-8 text ({e.reason})") from None
 
 
 # ---- benchmark prompt sets (added for `specdraft bench`) ------------------------------------

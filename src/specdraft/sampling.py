@@ -36,6 +36,11 @@ class SamplingParams:
             raise SpecdraftError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise SpecdraftError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 64):  # torch.Generator's range
+            raise SpecdraftError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
+        # An empty stop string matches at once: generation would end after one token.
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise SpecdraftError(f"stop strings must be non-empty, got {self.stop!r}")
         return self
 
     @property

@@ -70,13 +70,17 @@ def synchronize(device: torch.device) -> None:
 class EngineMethod(Method):
     """``SpeculativeEngine`` with one of our drafters (``none`` = plain decoding)."""
 
-    def __init__(self, spec: str, target, beam_width=None, beam_length=None, gamma=None):
+    def __init__(self, spec: str, target, beam_width=None, beam_length=None, gamma=None, policy=None):
+        """``policy``: adaptive drafting (specdraft.adaptive), None for the fixed shape."""
+        from collections import Counter
+
         from ..drafters.draft_model import parameter_count
         from ..drafters.registry import build_drafter
         from ..engine import SpeculativeEngine
 
         drafter = build_drafter(spec, target, beam_width, beam_length, gamma)
-        self.engine = SpeculativeEngine(target, drafter)
+        self.engine = SpeculativeEngine(target, drafter, policy=policy)
+        self.depths, self.off_steps = Counter(), 0  # over the calls since reset_drafting()
         n_draft = getattr(drafter, "num_parameters", None)
         info = {"beam_width": getattr(drafter, "W", None), "beam_length": getattr(drafter, "L", None),
                 "gamma": getattr(drafter, "gamma", None), "draft_params": n_draft,
@@ -94,11 +98,24 @@ class EngineMethod(Method):
         results = self.engine.generate(prompts, params)
         synchronize(device)
         wall = time.perf_counter() - start
+        for r in results:
+            self.depths.update(r.drafted_hist)
+            self.off_steps += r.off_steps
         outcomes = [PromptOutcome(token_ids=r.token_ids, text=r.text, seconds=r.seconds,
                                   finish_reason=r.finish_reason, steps=r.steps, hist=dict(r.accepted_hist))
                     for r in results]
         return BatchOutcome(seconds=wall, prompts=outcomes,
                             stages=batch_stages([r.stage_seconds for r in results], wall))
+
+    def reset_drafting(self) -> None:
+        self.depths.clear()
+        self.off_steps = 0
+
+    def drafting(self) -> dict:
+        """Decode steps by drafted depth (0: none) and how many ran with drafting off."""
+        return {"adaptive": self.engine.policy is not None, "off_steps": self.off_steps,
+                "decode_steps": sum(self.depths.values()),
+                "depths": {str(k): v for k, v in sorted(self.depths.items())}}
 
 
 def split_shape(spec: str) -> tuple[str, dict]:
@@ -142,7 +159,7 @@ def check_spec(spec: str) -> None:
                          "draft:PATH, hf-ar, hf-assisted:PATH, hf-lookup")
 
 
-def build_method(spec: str, target, beam_width=None, beam_length=None, gamma=None) -> Method:
+def build_method(spec: str, target, beam_width=None, beam_length=None, gamma=None, policy=None) -> Method:
     """Our drafter through the engine, or a transformers peer (``hf-*``). A shape suffix
     (``@WxL``, ``@gG``) overrides the run-wide shape options for this method."""
     base, shape = split_shape(spec)
@@ -154,6 +171,6 @@ def build_method(spec: str, target, beam_width=None, beam_length=None, gamma=Non
 
         method = build_peer(base, target, beam_length=beam_length, gamma=gamma)
     else:
-        method = EngineMethod(base, target, beam_width, beam_length, gamma)
+        method = EngineMethod(base, target, beam_width, beam_length, gamma, policy)
     method.spec = spec
     return method

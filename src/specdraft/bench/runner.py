@@ -29,6 +29,9 @@ from .store import RESULTS, load_for_resume, row_key, write_json_atomic
 AR, HF_AR = "none", "hf-ar"
 
 
+ADAPTIVE_CHOICES = ("on", "off", "refresh")
+
+
 @dataclass
 class BenchConfig:
     """Everything a benchmark run is parameterised by (the CLI's options)."""
@@ -38,7 +41,7 @@ class BenchConfig:
     datasets: list[str] = field(default_factory=lambda: ["mt-bench"])
     target: str = "default"
     device: str = "cpu"
-    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
+    dtype: str | None = None  # None or "auto": models.resolve_dtype's choice for the device
     trust_remote_code: bool = False
     limit: int | None = None
     batch_sizes: list[int] = field(default_factory=lambda: [1])
@@ -57,14 +60,17 @@ class BenchConfig:
     warmup: bool = True
     progress: bool = True
     command: str = ""
+    adaptive: str = "on"  # on | off (fixed shapes) | refresh (re-measure the cost model first)
 
     def resolved_dtype(self) -> str:
-        return self.dtype or ("bfloat16" if self.device.startswith("cuda") else "float32")
+        from ..models import resolve_dtype
+
+        return resolve_dtype(self.dtype or "auto", self.device)
 
     def settings(self) -> dict:
         """What every row of one results.json shares; --resume refuses a mismatch."""
         keys = ("target", "device", "limit", "top_p", "top_k", "repeats", "max_new_tokens", "beam_width",
-                "beam_length", "gamma", "seed", "chat", "mt_bench_turns")
+                "beam_length", "gamma", "seed", "chat", "mt_bench_turns", "adaptive")
         s = {k: getattr(self, k) for k in keys}
         s["dtype"] = self.resolved_dtype()
         return json.loads(json.dumps(s))
@@ -86,6 +92,8 @@ class BenchConfig:
             check_spec(spec)
         if self.repeats < 1:
             raise SpecdraftError(f"--repeats must be >= 1, got {self.repeats}")
+        if self.adaptive not in ADAPTIVE_CHOICES:
+            raise SpecdraftError(f"--adaptive must be one of {', '.join(ADAPTIVE_CHOICES)}, got {self.adaptive!r}")
         if self.limit is not None and self.limit < 1:
             raise SpecdraftError(f"--limit must be >= 1, got {self.limit}")
         if any(b < 1 for b in self.batch_sizes):
@@ -106,7 +114,8 @@ def environment(target, cfg: BenchConfig) -> dict:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
     return {"specdraft": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "platform": platform.platform(), "device": str(dev),
-            "device_name": name, "threads": torch.get_num_threads(), "dtype": cfg.resolved_dtype(),
+            "device_name": name, "threads": torch.get_num_threads(),
+            "dtype": str(target.dtype).removeprefix("torch."),
             "target": target.name, "target_params": parameter_count(target.model)}
 
 
@@ -142,6 +151,7 @@ class Bench:
         self.results.update(environment=environment(self.target, cfg), command=cfg.command,
                             created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         self.done = {row_key(r) for r in self.results["runs"]}
+        self.cost = None  # the target's cost model, loaded at the first adaptive method
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -179,10 +189,20 @@ class Bench:
 
         cfg = self.cfg
         with quiet_loading():
-            method = build_method(spec, self.target, cfg.beam_width, cfg.beam_length, cfg.gamma)
+            method = build_method(spec, self.target, cfg.beam_width, cfg.beam_length, cfg.gamma, self.policy())
         if cfg.warmup:  # first calls pay for allocations and kernel selection
             method.generate([warm_prompt], [SamplingParams(max_new_tokens=min(8, cfg.max_new_tokens))])
         return method
+
+    def policy(self):
+        """A fresh adaptive policy (the cost model measured or read once per run), or None."""
+        from ..adaptive import AdaptivePolicy, load_cost_model
+
+        if self.cfg.adaptive == "off":
+            return None
+        if self.cost is None:
+            self.cost = load_cost_model(self.target, refresh=self.cfg.adaptive == "refresh")
+        return AdaptivePolicy(self.cost)
 
     def release(self) -> None:
         """Free what the last method held (its draft model, its turn-2 prompts)."""
@@ -231,6 +251,8 @@ class Bench:
                       for it, p in zip(items, prompts)]
         batches = range(0, len(prompts), batch_size)
         tokens, seconds, stages = [], [], None
+        if hasattr(method, "reset_drafting"):
+            method.reset_drafting()
         self.memory.reset()
         with progress_bar(len(batches) * cfg.repeats, f"{row['dataset']} T={temperature:g} B={batch_size} "
                                                       f"{method.spec}", cfg.progress) as bar:
@@ -245,6 +267,8 @@ class Bench:
                     bar.update(1)
                 tokens.append(n_tok)
                 seconds.append(n_sec)
+        if hasattr(method, "drafting"):
+            row["drafting"] = method.drafting()
         return {**row, "status": "ok", **self.memory.read(),
                 **figures(per_prompt, tokens, seconds, stages, cfg.repeats, method.info, self.target),
                 "per_prompt": per_prompt}

@@ -132,7 +132,8 @@ def run_sweep(cfg: BenchConfig, drafter: str, widths: list[int], lengths: list[i
               gammas: list[int] | None, record: bool = True, target=None) -> dict:
     """Measure every shape, write sweep.md / sweep.png (and the bench report), record the best."""
     specs = sweep_specs(drafter, widths, lengths, gammas)
-    results = run_bench(replace(cfg, drafters=[AR, *specs]), target)
+    # Fixed shapes are what a sweep compares: adaptive drafting would blur them.
+    results = run_bench(replace(cfg, drafters=[AR, *specs], adaptive="off"), target)
     best = best_row(results["runs"])
     recorded = record_best(drafter, best, results["environment"]) if record else None
     out = Path(cfg.out)

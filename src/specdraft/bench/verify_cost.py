@@ -113,6 +113,20 @@ def measure_verify_cost(target: Target, tokens: list[int], prefix: int = 256, tr
     return rows
 
 
+MONOTONE_TOLERANCE = 0.02  # timing noise: 2-token forwards run 1-token ones' very kernels (fastpath)
+
+
+def monotone_violations(rows: list[dict], tolerance: float = MONOTONE_TOLERANCE) -> list[dict]:
+    """Rows with N >= 2 tree tokens measured cheaper than N = 1 (``ms_median``) by more than
+    ``tolerance`` (a fraction). A healthy curve has none: a multi-token forward cheaper than
+    a one-token one means plain decoding runs a slower kernel than verification does, and
+    every speed-up over it is inflated."""
+    one = next((r["ms_median"] for r in rows if r["tree_tokens"] == 1), None)
+    if one is None:
+        return []
+    return [r for r in rows if r["tree_tokens"] >= 2 and r["ms_median"] < (1 - tolerance) * one]
+
+
 def verify_cost_markdown(result: dict) -> str:
     from .report import params
 
@@ -127,6 +141,10 @@ def verify_cost_markdown(result: dict) -> str:
         rel = "–" if r["relative_to_one_token"] is None else f"{r['relative_to_one_token']:.2f}×"
         lines.append(f"| {r['tree_tokens']} | {r['ms_median']:.2f} | {r['ms_min']:.2f}–{r['ms_max']:.2f} | {rel} "
                      f"| {r['ms_per_token']:.3f} |")
+    below = [str(r["tree_tokens"]) for r in monotone_violations(result["rows"])]
+    tol = f"{100 * MONOTONE_TOLERANCE:.0f}%"
+    lines += ["", f"**Not monotone**: N = {', '.join(below)} measured more than {tol} cheaper than N = 1." if below
+              else f"Monotone: no N ≥ 2 measured more than {tol} (timing noise) cheaper than N = 1."]
     return "\n".join(lines + ["", "![verify_cost.png](verify_cost.png)", ""])
 
 

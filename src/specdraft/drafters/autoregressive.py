@@ -11,6 +11,7 @@ from .base import DraftContext, Drafter, Proposal, single_beam
 
 class NoDrafter(Drafter):
     name = "none"
+    acceptance_prior = 0.0  # it never drafts: adaptive drafting keeps every step plain
 
     def propose(self, ctx: DraftContext) -> Proposal:
         return single_beam(ctx.g0)

@@ -46,17 +46,27 @@ class Proposal:
     ``q`` is set only by drafters that *sample* their drafts: (B, L-1, V), the
     distribution each drafted token was drawn from (then W must be 1). Drafters with
     deterministic candidates leave it None, and sampling rows use recursive rejection.
+
+    ``confidence`` (B, W, L) float, optional: the drafter's own probability that token
+    (w, j) is right given that its beam's earlier tokens are (beam log-probabilities,
+    draft-model probabilities, lookup match length); column 0 (g0) is 1, NaN = unknown.
+    Only adaptive drafting reads it (to decide how much to verify), never acceptance;
+    it need not be calibrated (the policy learns a scale per request).
     """
 
     beams: torch.Tensor
     valid: torch.Tensor
     q: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
 
 
 class Drafter(ABC):
     """One small interface for every drafting method."""
 
     name: str = "drafter"
+    # Adaptive drafting's prior for P(a drafted token is accepted | its parent was), before
+    # a request has evidence of its own (specdraft.adaptive).
+    acceptance_prior: float = 0.5
 
     def start(self, ctx: DraftContext) -> None:
         """A new batch was prefilled: ``ctx`` holds all its rows, in order."""
@@ -69,7 +79,10 @@ class Drafter(ABC):
         """Candidates to verify for each row of ``ctx``."""
 
     def observe(self, ctx: DraftContext, accepted: torch.Tensor, n_accepted: torch.Tensor) -> None:
-        """After verification: row b kept accepted[b, :n_accepted[b]] (g0 first)."""
+        """After verification: row b kept accepted[b, :n_accepted[b]] (g0 first).
+
+        Called after every ``propose``; a step where adaptive drafting turned drafting off
+        calls neither, so stateful drafters must catch up from ``ctx.tokens``."""
 
     def select_rows(self, keep: torch.Tensor) -> None:
         """Rows not in ``keep`` (1D long, new order) have left the batch."""

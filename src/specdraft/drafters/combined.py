@@ -27,6 +27,7 @@ class CombinedDrafter(Drafter):
             raise SpecdraftError("a combined drafter needs at least two parts, e.g. lookup+redrafter:PATH")
         self.parts = parts
         self.name = "+".join(p.name for p in parts)
+        self.acceptance_prior = max(p.acceptance_prior for p in parts)
 
     def start(self, ctx: DraftContext) -> None:
         for p in self.parts:
@@ -44,7 +45,12 @@ class CombinedDrafter(Drafter):
         L = max(p.beams.shape[2] for p in proposals)
         beams = torch.cat([_pad_length(p.beams, L, 0) for p in proposals], dim=1)
         valid = torch.cat([_pad_length(p.valid, L, False) for p in proposals], dim=1)
-        return Proposal(beams=beams, valid=valid)
+        confidence = None
+        if any(p.confidence is not None for p in proposals):  # NaN where a part has none
+            confidence = torch.cat([_pad_length(p.confidence if p.confidence is not None else
+                                                torch.full(p.beams.shape, float("nan"), device=p.beams.device),
+                                                L, float("nan")) for p in proposals], dim=1)
+        return Proposal(beams=beams, valid=valid, confidence=confidence)
 
     def observe(self, ctx: DraftContext, accepted: torch.Tensor, n_accepted: torch.Tensor) -> None:
         for p in self.parts:

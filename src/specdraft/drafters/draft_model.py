@@ -63,6 +63,7 @@ class DraftModelDrafter(Drafter):
     """Draft with ``model`` (any HF causal LM with the target's vocabulary)."""
 
     name = "draft"
+    acceptance_prior = 0.6
 
     def __init__(self, model: torch.nn.Module, gamma: int = 4, beam_width: int = 1,
                  tokenizer=None, name: str = "draft model"):
@@ -136,13 +137,13 @@ class DraftModelDrafter(Drafter):
                                  f"({self.draft.max_context}); use a draft with a longer context")
         depth = min(self.gamma, int(ctx.budget.max()) - 1, self.draft.max_context - longest)
         root_logits = self._catch_up(ctx.tokens)
-        beams, q, slots = self._draft_tree(root_logits, ctx, max(depth, 0))
+        beams, q, slots, confidence = self._draft_tree(root_logits, ctx, max(depth, 0))
         # The tree's entries stay in the buffer past the width until observe commits some.
         self.cache.truncate(self.cache.lengths)
         self.pending = {"beams": beams, "slots": slots}
         steps = torch.arange(beams.shape[2], device=beams.device)
         valid = (steps[None, None, :] < ctx.budget[:, None, None]).expand_as(beams)
-        return Proposal(beams=beams, valid=valid, q=q)
+        return Proposal(beams=beams, valid=valid, q=q, confidence=confidence)
 
     @torch.no_grad()
     def observe(self, ctx: DraftContext, accepted: torch.Tensor, n_accepted: torch.Tensor) -> None:
@@ -204,20 +205,22 @@ class DraftModelDrafter(Drafter):
     def _draft_tree(self, logits: torch.Tensor, ctx: DraftContext, depth: int):
         """Draft ``depth`` levels of W beams from the root logits (B, V).
 
-        Returns beams (B, W, depth+1) with g0 first, q (B, depth, V) or None, and slots
+        Returns beams (B, W, depth+1) with g0 first, q (B, depth, V) or None, slots
         (B, W, depth-1): for each beam, the offsets (from the committed width) where its
-        drafts d1..d_{depth-1} were cached.
+        drafts d1..d_{depth-1} were cached, and confidence (B, W, depth+1): the draft's
+        probability of each token given its beam's earlier ones (g0: 1).
         """
         cache, W = self.cache, self.W
         B, device = logits.shape[0], logits.device
         g0 = ctx.g0[:, None, None].expand(B, W, 1)
         if depth == 0:
-            return g0, None, torch.zeros(B, W, 0, dtype=torch.long, device=device)
+            return g0, None, torch.zeros(B, W, 0, dtype=torch.long, device=device), torch.ones(B, W, 1, device=device)
         sampling = [b for b, g in enumerate(ctx.greedy.tolist()) if not g] if W == 1 else []
         base, width = cache.lengths.clone(), cache.width  # g0 sits at position base - 1
         score = torch.zeros(B, W, device=device)
         tokens, parent, score, q_j = self._choose(logits[:, None], score, ctx, sampling, first=True)
         paths = tokens[:, :, None]
+        confs = _token_probs(logits[:, None], tokens, parent)
         slots = torch.zeros(B, W, 0, dtype=torch.long, device=device)
         ancestry = torch.zeros(B, W, 0, dtype=torch.bool, device=device)
         past = (torch.arange(width, device=device)[None, :] < base[:, None])[:, None, :].expand(B, W, width)
@@ -230,15 +233,18 @@ class DraftModelDrafter(Drafter):
             mask = torch.cat([past, ancestry], dim=2)[:, None]
             positions = (base + level - 1)[:, None].expand(B, W)
             hidden = self.draft.forward(paths[:, :, -1], positions, mask, cache)
-            tokens, parent, score, q_j = self._choose(self.draft.logits(hidden), score, ctx, sampling)
+            level_logits = self.draft.logits(hidden)
+            tokens, parent, score, q_j = self._choose(level_logits, score, ctx, sampling)
             slots = torch.cat([slots, own.expand(B, W)[:, :, None]], dim=2)
-            slots, paths, ancestry = (x.gather(1, parent[:, :, None].expand(-1, -1, x.shape[2]))
-                                      for x in (slots, paths, ancestry))
+            slots, paths, ancestry, confs = (x.gather(1, parent[:, :, None].expand(-1, -1, x.shape[2]))
+                                             for x in (slots, paths, ancestry, confs))
             paths = torch.cat([paths, tokens[:, :, None]], dim=2)
+            confs = torch.cat([confs, _token_probs(level_logits, tokens, parent)], dim=2)
             qs.append(q_j)
         cache.width = width
         q = torch.stack(qs, dim=1) if sampling else None  # (B, depth, V)
-        return torch.cat([g0, paths], dim=2), q, slots
+        confidence = torch.nn.functional.pad(confs, (1, 0), value=1.0)
+        return torch.cat([g0, paths], dim=2), q, slots, confidence
 
     def _choose(self, logits: torch.Tensor, score: torch.Tensor, ctx: DraftContext,
                 sampling: list[int], first: bool = False):
@@ -280,6 +286,14 @@ class DraftModelDrafter(Drafter):
             return
         self._reserve(int(start.max()) + n)
         self.ids.scatter_(1, start[:, None] + torch.arange(n, device=start.device), tokens)
+
+
+def _token_probs(logits: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
+    """(B, W, 1) draft probability (temperature 1) of each chosen token under its parent's
+    logits (B, w, V): adaptive drafting's confidence (never used for acceptance)."""
+    probs = logits.float().softmax(dim=-1)
+    probs = probs.gather(1, parent[:, :, None].expand(-1, -1, probs.shape[-1]))
+    return probs.gather(2, tokens[:, :, None])
 
 
 # ---- load-time checks (each failure is one SpecdraftError line) ---------------------------

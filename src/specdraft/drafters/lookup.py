@@ -19,6 +19,7 @@ from .base import DraftContext, Drafter, Proposal
 
 class LookupDrafter(Drafter):
     name = "lookup"
+    acceptance_prior = 0.6  # given a match
 
     def __init__(self, beam_width: int = 1, beam_length: int = 4, max_ngram: int = 3, min_ngram: int = 1):
         if beam_width < 1 or beam_length < 1:
@@ -33,9 +34,13 @@ class LookupDrafter(Drafter):
         L-1 tokens come first (a match near the end of the history has a cut-off
         continuation, e.g. inside a repetition), each group most recent first.
         """
+        return self.match(history)[1]
+
+    def match(self, history: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
+        """(n, continuations): the matched n-gram's length (0: none) and ``continuations``."""
         T, D = history.shape[0], self.L - 1
         if D == 0:
-            return []
+            return 0, []
         for n in range(min(self.max_ngram, T - 1), self.min_ngram - 1, -1):
             windows = history[: T - 1].unfold(0, n, 1)  # windows ending before the last token
             starts = (windows == history[T - n:]).all(dim=1).nonzero()[:, 0].flip(0).tolist()
@@ -49,8 +54,8 @@ class LookupDrafter(Drafter):
                     found.append(cont)
                 if len(found) == self.W:
                     break
-            return found
-        return []
+            return n, found
+        return 0, []
 
     @staticmethod
     def recorded_shape() -> tuple[int, int] | None:
@@ -67,8 +72,13 @@ class LookupDrafter(Drafter):
         beams = ctx.g0[:, None, None].repeat(1, self.W, self.L)
         valid = torch.zeros(B, self.W, self.L, dtype=torch.bool, device=device)
         valid[:, :, 0] = True
+        confidence = torch.ones(B, self.W, self.L, device=device)
         for b, history in enumerate(ctx.tokens):
-            for w, cont in enumerate(self.continuations(history)):
+            n, found = self.match(history)
+            # A longer matched n-gram is likelier to go on the same way; adaptive drafting
+            # calibrates the scale per request.
+            confidence[b, :, 1:] = n / (n + 1)
+            for w, cont in enumerate(found):
                 beams[b, w, 1: 1 + len(cont)] = cont
                 valid[b, w, 1: 1 + len(cont)] = True
-        return Proposal(beams=beams, valid=valid)
+        return Proposal(beams=beams, valid=valid, confidence=confidence)

@@ -15,7 +15,7 @@ from ..errors import SpecdraftError
 from ..redrafter.beam_search import independent_beam_search
 from ..redrafter.medusa import MedusaHeads
 from .base import DraftContext, Drafter, Proposal
-from .redrafter import beam_shape
+from .redrafter import beam_confidence, beam_shape
 
 
 class MedusaDrafter(Drafter):
@@ -41,4 +41,4 @@ class MedusaDrafter(Drafter):
         with fastpath.active():
             log_probs = torch.log_softmax(self.heads.logits(ctx.hidden, num_heads=max(L - 1, 1)), dim=-1)
         result = independent_beam_search(log_probs, ctx.g0, self.W, L)
-        return Proposal(beams=result.beams, valid=result.valid)
+        return Proposal(beams=result.beams, valid=result.valid, confidence=beam_confidence(result))

@@ -28,8 +28,15 @@ def beam_shape(config, beam_width: int | None, beam_length: int | None) -> tuple
     return W, L
 
 
+def beam_confidence(result) -> torch.Tensor:
+    """(B, W, L) per-token probabilities of a beam search's tokens (g0: 1)."""
+    probs = result.token_logprobs.float().exp()
+    return torch.nn.functional.pad(probs, (1, 0), value=1.0)
+
+
 class ReDrafter(Drafter):
     name = "redrafter"
+    acceptance_prior = 0.5
 
     def __init__(self, head: ReDrafterHead, beam_width: int | None = None, beam_length: int | None = None):
         self.head = head
@@ -48,4 +55,4 @@ class ReDrafter(Drafter):
         L = min(self.L, int(ctx.budget.max()))
         with fastpath.active():
             result = redrafter_beam_search(self.head, ctx.hidden, ctx.g0, self.W, L)
-        return Proposal(beams=result.beams, valid=result.valid)
+        return Proposal(beams=result.beams, valid=result.valid, confidence=beam_confidence(result))

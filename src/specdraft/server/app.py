@@ -7,6 +7,14 @@ events, received through an asyncio queue fed with ``loop.call_soon_threadsafe``
 Invariants:
 
 * every error response, ours or the framework's (404, 405, 500), has OpenAI's error shape;
+  a 500 carries the exception's type only (never a traceback), is logged once, and keeps
+  the connection open (``ErrorBoundary``);
+* limits hold while reading: the body is read chunk by chunk and refused (413) as soon as
+  it passes ``max_body_bytes``, so memory per request is bounded by the limit, not by what
+  the client sends; a prompt too long in characters to fit the context is refused before
+  it is tokenized (``prompt_char_limit``);
+* the event loop never runs CPU-heavy work: JSON parsing, validation, chat templating and
+  tokenizing run in the thread pool, so /health and running streams stay responsive;
 * a request that cannot run gets its error status *before* any byte of a response body:
   a stream starts only once its first tokens exist, so queue timeouts, a full queue and a
   draining server are real 4xx/5xx responses, not errors inside a 200 stream;
@@ -25,6 +33,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import SpeculativeEngine, StepEvent
@@ -67,6 +76,7 @@ class Service:
         self.scheduler = Scheduler(engine, options.max_batch_size, options.max_queue, self.metrics)
         self.draining = False
         self.started = int(time.time())
+        self.prompt_char_limit = prompt_char_limit(engine.target)
 
     @property
     def target(self):
@@ -93,6 +103,7 @@ def create_app(engine: SpeculativeEngine, options: ServeOptions) -> FastAPI:
 
     app = FastAPI(title="specdraft", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
+    app.add_middleware(ErrorBoundary)  # inside CountResponses (added last = outermost): its 500s are counted
     app.add_middleware(CountResponses, metrics=service.metrics)
     _add_error_handlers(app)
 
@@ -137,12 +148,41 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException):
         kind = "not_found" if err.status_code == 404 else None
-        return error_response(APIError(err.status_code, str(err.detail), code=kind))
+        # err.headers holds the framework's own, e.g. 405's Allow
+        return error_response(APIError(err.status_code, str(err.detail), code=kind, headers=err.headers))
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, err: Exception):
-        log.exception("unexpected error")
-        return error_response(APIError(500, f"internal server error: {type(err).__name__}", type="server_error"))
+
+class ErrorBoundary:
+    """ASGI middleware: an exception no handler took becomes one logged traceback and a 500
+    with OpenAI's error shape (the exception's type, never its traceback), sent on the same
+    connection. Starlette's own fallback (ServerErrorMiddleware) re-raises after its 500,
+    so uvicorn logs the traceback a second time and drops a keep-alive connection.
+
+    An exception after the response started cannot change it any more: it is logged and the
+    response ends where it is (streams report their own failures as an error event first).
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as err:
+            log.exception("unexpected error in %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                response = error_response(APIError(500, f"internal server error: {type(err).__name__}",
+                                                   type="server_error"))
+                await response(scope, receive, send)
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -211,9 +251,8 @@ async def generate(service: Service, request: Request, endpoint: str) -> Respons
     check_api_key(service, request)
     if service.status() != "ok":
         raise APIError(503, "the server is shutting down", type="server_error", code="server_shutting_down")
-    req = parse_request(await read_body(service, request), endpoint, service.options.model_name)
-    prompt = encode_prompt(service.target, req)
-    params = sampling_params(service, req, prompt)
+    raw = await read_body(service, request)
+    req, prompt, params = await run_in_threadpool(prepare, service, raw, endpoint)
     job_id, inbox = submit(service, prompt, params)
     try:
         # Until the response starts, nothing else listens to the connection: watch it here.
@@ -237,16 +276,41 @@ async def generate(service: Service, request: Request, endpoint: str) -> Respons
                                         result.prompt_tokens, result.new_tokens))
 
 
-async def read_body(service: Service, request: Request) -> dict:
+async def read_body(service: Service, request: Request) -> bytes:
+    """The raw body, read chunk by chunk: a body over the limit (declared or chunked) is a
+    413 once its first ``max_body_bytes`` + 1 bytes have arrived, never buffered whole.
+    The 413 closes the connection: the rest of that body is never read."""
     limit = service.options.max_body_bytes
-    too_large = APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+    too_large = APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large",
+                         headers={"Connection": "close"})
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:  # refuse before reading it
         raise too_large
-    raw = await request.body()
-    if len(raw) > limit:
-        raise too_large
-    return parse_json_body(raw)
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise too_large
+    return bytes(raw)
+
+
+def prepare(service: Service, raw: bytes, endpoint: str):
+    """Body -> (request, prompt ids, sampling params), or an APIError. CPU-bound (JSON,
+    chat template, tokenizer): runs in the thread pool, off the event loop."""
+    req = parse_request(parse_json_body(raw), endpoint, service.options.model_name)
+    prompt = encode_prompt(service.target, req, service.prompt_char_limit)
+    return req, prompt, sampling_params(service, req, prompt)
+
+
+def prompt_char_limit(target) -> int:
+    """Characters beyond which a prompt cannot fit the context: a token never covers more
+    characters than the longest vocabulary entry (16 at least, for tokenizers with byte or
+    unknown-word fallbacks), so a longer text has more tokens than the context holds."""
+    try:
+        longest = max(map(len, target.tokenizer.get_vocab()), default=0)
+    except Exception:  # a tokenizer without a vocabulary listing: only the exact check applies
+        return 1 << 62
+    return target.max_context * max(longest, 16)
 
 
 def sampling_params(service: Service, req: GenerationRequest, prompt: list[int]):
@@ -256,17 +320,30 @@ def sampling_params(service: Service, req: GenerationRequest, prompt: list[int])
         raise bad_request(str(e)) from None
 
 
-def encode_prompt(target, req: GenerationRequest) -> list[int]:
-    """The prompt's token ids: chat messages through the chat template, text as is, ids checked."""
+def encode_prompt(target, req: GenerationRequest, char_limit: int = 1 << 62) -> list[int]:
+    """The prompt's token ids: chat messages through the chat template, text as is, ids checked.
+    Text longer than ``char_limit`` characters is refused before the tokenizer sees it."""
+    param = "messages" if req.endpoint == CHAT else "prompt"
+    chars = (sum(len(m["content"]) for m in req.messages) if req.endpoint == CHAT
+             else len(req.prompt) if isinstance(req.prompt, str) else 0)
+    if chars > char_limit:
+        raise bad_request(f"the prompt has {chars} characters, more than this model's maximum context length "
+                          f"of {target.max_context} tokens can hold", param, "context_length_exceeded")
     if req.endpoint == CHAT:
         ids = encode_chat(target, req.messages)
     elif isinstance(req.prompt, list):
+        if len(req.prompt) >= target.max_context:
+            raise bad_request(f"the prompt has {len(req.prompt)} tokens; this model's maximum context "
+                              f"length is {target.max_context} tokens", param, "context_length_exceeded")
         bad = [t for t in req.prompt if t >= target.vocab_size]
         if bad:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary (size {target.vocab_size})", "prompt")
         ids = req.prompt
     else:
-        ids = target.encode_prompt(req.prompt, chat=False)
+        try:
+            ids = target.encode_prompt(req.prompt, chat=False)
+        except Exception as e:  # as for chat templates: what the tokenizer refuses is the input's fault
+            raise bad_request(f"the tokenizer rejected the prompt: {type(e).__name__}", "prompt") from None
     if not ids:
         raise bad_request("the prompt encodes to no tokens", "messages" if req.endpoint == CHAT else "prompt")
     return list(ids)
@@ -353,21 +430,25 @@ async def stream_body(service: Service, req: GenerationRequest, rid: str, inbox:
     text = TextStream(service.target.tokenizer, req.stop)
     if req.endpoint == CHAT:
         yield writer.role()
-    while True:
-        if isinstance(item, JobError):
-            yield writer.error(job_error(item))
-            break
-        delta = text.push(item.new_ids, item.result)
-        if delta:
-            yield writer.text(delta)
-        result = item.result
-        if result is not None:
-            service.metrics.latency.labels(req.endpoint).observe(time.perf_counter() - received)
-            yield writer.text("", result.finish_reason)
-            if req.include_usage:
-                yield writer.usage(result.prompt_tokens, result.new_tokens)
-            break
-        item = await inbox.get()
+    try:
+        while True:
+            if isinstance(item, JobError):
+                yield writer.error(job_error(item))
+                break
+            delta = text.push(item.new_ids, item.result)
+            if delta:
+                yield writer.text(delta)
+            result = item.result
+            if result is not None:
+                service.metrics.latency.labels(req.endpoint).observe(time.perf_counter() - received)
+                yield writer.text("", result.finish_reason)
+                if req.include_usage:
+                    yield writer.usage(result.prompt_tokens, result.new_tokens)
+                break
+            item = await inbox.get()
+    except Exception as err:  # a bug here must still end the stream the documented way
+        log.exception("a stream failed")
+        yield writer.error(APIError(500, f"internal server error: {type(err).__name__}", type="server_error"))
     yield DONE
 
 

@@ -13,6 +13,8 @@ prompt_tokens_total                    counter    prompt tokens of queued reques
 generated_tokens_total                 counter    tokens generated (cancelled requests included)
 engine_steps_total                     counter    batched decoding steps
 tokens_per_step                        histogram  τ of each finished request (prefill included)
+decode_steps_total{depth}              counter    finished requests' decode steps by drafted depth (0: none)
+drafting_off_steps_total               counter    of those, steps adaptive drafting ran plain (no drafter call)
 batch_rows                             histogram  rows in the batch at each step
 queue_depth                            gauge      requests waiting for a batch slot
 running_requests                       gauge      requests in the batch (or being prefilled)
@@ -45,6 +47,9 @@ class ServerMetrics(SchedulerMetrics):
         self.steps = Counter(p + "engine_steps", "Batched decoding steps", registry=r)
         self.tau = Histogram(p + "tokens_per_step", "Tokens per target forward of each finished request",
                              buckets=TAU_BUCKETS, registry=r)
+        self.depth_steps = Counter(p + "decode_steps", "Decode steps of finished requests by drafted depth",
+                                   ["depth"], registry=r)
+        self.off_steps = Counter(p + "drafting_off_steps", "Decode steps adaptive drafting ran plain", registry=r)
         self.batch_rows = Histogram(p + "batch_rows", "Rows in the batch at each step",
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.queue_depth = Gauge(p + "queue_depth", "Requests waiting for a batch slot", registry=r)
@@ -70,6 +75,12 @@ class ServerMetrics(SchedulerMetrics):
 
     def finished(self, tokens_per_step: float) -> None:
         self.tau.observe(tokens_per_step)
+
+    def drafting(self, drafted_hist: dict[int, int], off_steps: int) -> None:
+        for depth, steps in drafted_hist.items():
+            self.depth_steps.labels(str(depth)).inc(steps)
+        if off_steps:
+            self.off_steps.inc(off_steps)
 
     def ended(self, reason: str) -> None:
         self.endings.labels(reason).inc()

@@ -10,7 +10,11 @@ out. Invariants:
 * an option the server cannot honour is rejected by name, never silently ignored, unless
   its value is the one that changes nothing (``n: 1``, ``logprobs: false``, ``tools: []``);
 * options unknown to this server (``user``, ``metadata``, ...) are ignored, as clients send
-  them freely.
+  them freely;
+* a body nested deeper than ``MAX_JSON_DEPTH`` or holding a string that is not valid Unicode
+  (a lone surrogate) is a 400 before any field is read, and error messages quote at most
+  ``_SHOWN`` characters of a value, so no input, however large or deep, costs more than
+  one linear pass to reject.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import pydantic_core
+
 from ..sampling import SamplingParams
 
 CHAT = "chat"
@@ -29,6 +35,8 @@ ROLES = ("system", "developer", "user", "assistant")
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 GREEDY_BELOW = 1e-5  # logits / such a temperature overflow float32; the limit is greedy anyway
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
+MAX_JSON_DEPTH = 200  # pydantic-core's parser refuses deeper nesting (its recursion limit)
+_SHOWN = 60  # characters of a rejected value quoted in an error message
 
 
 class APIError(Exception):
@@ -99,11 +107,21 @@ class GenerationRequest:
 
 
 def parse_json_body(raw: bytes) -> dict:
-    """The request body as a JSON object, or a 400."""
+    """The request body as a JSON object, or a 400.
+
+    pydantic-core's parser (FastAPI's own) rather than ``json``: it runs in linear time
+    without recursing on the C stack, stops at ``MAX_JSON_DEPTH`` levels (``json.loads``
+    raises RecursionError, a 500, on deep input), and refuses invalid UTF-8 and escaped
+    lone surrogates, which no tokenizer can encode.
+    """
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        body = pydantic_core.from_json(raw)
+    except ValueError as e:
+        reason = (f"it nests deeper than {MAX_JSON_DEPTH} levels" if "recursion limit" in str(e)
+                  else _shown_text(str(e), 200))
+        if "surrogate" in reason or "hex escape" in reason:
+            reason += " (strings must be valid Unicode: no lone surrogates)"
+        raise bad_request(f"the request body is not valid JSON: {reason}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
     return body
@@ -169,7 +187,7 @@ def _model(body: dict, served: str) -> str:
     if not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
     if model != served:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {served!r}",
+        raise APIError(404, f"the model {_shown(model)} does not exist; this server serves {served!r}",
                        "model", "model_not_found")
     return model
 
@@ -185,7 +203,7 @@ def _messages(messages) -> list[dict]:
             raise bad_request(f"{param} must be an object with 'role' and 'content'", param)
         role = m.get("role")
         if role not in ROLES:
-            raise bad_request(f"{param}.role must be one of {', '.join(ROLES)}; got {role!r}", f"{param}.role")
+            raise bad_request(f"{param}.role must be one of {', '.join(ROLES)}; got {_shown(role)}", f"{param}.role")
         # Most chat templates know only 'system'; OpenAI's newer 'developer' means the same.
         out.append({"role": "system" if role == "developer" else role,
                     "content": _content(m.get("content"), f"{param}.content")})
@@ -194,14 +212,14 @@ def _messages(messages) -> list[dict]:
 
 def _content(content, param: str) -> str:
     if isinstance(content, str):
-        return content
+        return _text(content, param)
     if isinstance(content, list):
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise bad_request(f"{param}: only text parts ({{'type': 'text', 'text': ...}}) are supported",
                                   param, "unsupported_content")
-            texts.append(part["text"])
+            texts.append(_text(part["text"], param))
         return "\n".join(texts)
     raise bad_request(f"{param} must be a string or a list of text parts", param)
 
@@ -213,7 +231,7 @@ def _prompt(prompt) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("'prompt' must not be empty", "prompt")
-        return prompt
+        return _text(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
         return list(prompt)
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
@@ -233,6 +251,30 @@ def _max_tokens(body: dict) -> int | None:
     return value
 
 
+def _text(text: str, param: str) -> str:
+    """``text`` if it is valid Unicode: a lone surrogate (possible in a str built by other
+    means than our JSON parser) would fail inside the tokenizer instead of here."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"{param} is not valid Unicode: {e.reason} at index {e.start}", param) from None
+    return text
+
+
+def _shown_text(text: str, limit: int = _SHOWN) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def _shown(value) -> str:
+    """A value as quoted in an error message: its repr, cut to a few dozen characters
+    (reprs are computed on a bounded prefix for strings and containers)."""
+    if isinstance(value, str):
+        return repr(_shown_text(value))
+    if isinstance(value, (list, dict)):
+        return f"a JSON {'array' if isinstance(value, list) else 'object'} of {len(value)} items"
+    return _shown_text(repr(value))
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -244,7 +286,7 @@ def _integer(body: dict, name: str, default, low, high=None):
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if not _is_int(value):
-        raise bad_request(f"'{name}' must be an integer, got {value!r}", name)
+        raise bad_request(f"'{name}' must be an integer, got {_shown(value)}", name)
     if (low is not None and value < low) or (high is not None and value > high):
         raise bad_request(f"'{name}' must be >= {low}, got {value}" if high is None else
                           f"'{name}' must be in [{low}, {high}], got {value}", name)
@@ -255,8 +297,10 @@ def _number(body: dict, name: str, default: float, low: float, high: float, low_
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad_request(f"'{name}' must be a number, got {value!r}", name)
+    # isfinite only for floats: math.isfinite(10**400) raises OverflowError
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not math.isfinite(value))):
+        raise bad_request(f"'{name}' must be a number, got {_shown(value)}", name)
     if value > high or value < low or (low_open and value == low):
         interval = f"({low:g}, {high:g}]" if low_open else f"[{low:g}, {high:g}]"
         raise bad_request(f"'{name}' must be in {interval}, got {value}", name)
@@ -268,7 +312,7 @@ def _boolean(body: dict, name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(f"'{name}' must be true or false, got {value!r}", name)
+        raise bad_request(f"'{name}' must be true or false, got {_shown(value)}", name)
     return value
 
 
@@ -278,7 +322,7 @@ def _stop(stop) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise bad_request("'stop' must be a non-empty string or a list of non-empty strings", "stop")
-    return list(stops)
+    return [_text(s, "stop") for s in stops]
 
 
 def _stream_options(body: dict, stream: bool) -> bool:

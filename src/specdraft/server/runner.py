@@ -4,11 +4,18 @@ First signal: the server drains. New generation requests get 503 (and /health tu
 so a load balancer stops routing here), requests already queued or running finish, and
 when none is left the server exits with code 0. After ``shutdown_timeout`` seconds the
 ones still running end with a 503 error (or an error event in their stream) instead.
-A second signal exits at once.
+A second signal does that at once: every request ends with its error (a stream with an
+error event and ``[DONE]``) and the server exits 0 as soon as those are written. A third
+stops waiting for slow clients.
+
+Invariant: however it ends, the scheduler thread has stopped before ``run`` returns. A
+thread still inside a torch operation while the interpreter finalizes aborts the process
+("terminate called without an active exception", exit 134).
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 
@@ -32,15 +39,19 @@ class DrainingServer(uvicorn.Server):
         self.service = service
         self.shutdown_timeout = shutdown_timeout
         self.drain_deadline: float | None = None
+        self.signals = 0
 
     def handle_exit(self, sig, frame) -> None:
         # Not recorded in _captured_signals: uvicorn would re-raise it after shutdown, and
         # a drained server should exit 0, not die by the signal.
-        if self.drain_deadline is not None or self.should_exit:
+        self.signals += 1
+        if self.signals == 1:
+            self.service.draining = True
+            self.drain_deadline = time.monotonic() + self.shutdown_timeout
+        elif self.signals == 2:
+            self.drain_deadline = float("-inf")  # the next tick aborts what is still running
+        else:
             self.force_exit = self.should_exit = True
-            return
-        self.service.draining = True
-        self.drain_deadline = time.monotonic() + self.shutdown_timeout
 
     async def on_tick(self, counter: int) -> bool:
         if self.drain_deadline is not None and not self.should_exit:
@@ -55,6 +66,14 @@ class DrainingServer(uvicorn.Server):
         elif time.monotonic() > self.drain_deadline:
             scheduler.abort_all(JobError(JobError.SHUTDOWN, "the server shut down before the request finished"))
             self.should_exit = True  # uvicorn still waits for the responses to be written
+
+    async def shutdown(self, sockets=None) -> None:
+        try:
+            await super().shutdown(sockets)
+        finally:
+            # uvicorn skips the lifespan's shutdown on force_exit; the thread must end anyway
+            # (see the module's invariant). It ends after its current step.
+            await asyncio.to_thread(self.service.scheduler.stop, None)
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -77,6 +77,9 @@ class SchedulerMetrics:
 
     def finished(self, tokens_per_step: float) -> None: ...
 
+    def drafting(self, drafted_hist: dict[int, int], off_steps: int) -> None:
+        """A finished request's decode steps by drafted depth, and how many ran with drafting off."""
+
     def ended(self, reason: str) -> None: ...
 
 
@@ -292,6 +295,7 @@ class Scheduler:
                 if event.result is not None:
                     del self._active[event.index]
                     self.metrics.finished(event.result.tokens_per_step)
+                    self.metrics.drafting(event.result.drafted_hist, event.result.off_steps)
                     self.metrics.ended("finished")
                 deliveries.append((job, event))
             self._publish_depth()

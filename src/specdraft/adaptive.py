@@ -1,0 +1,386 @@
+"""Adaptive drafting: per step, draft only as much as pays on this machine (issue 15).
+
+Three parts, all plain objects the engine takes (tests pass synthetic ones):
+
+- ``CostModel``: seconds of one target forward against the padded tree tokens of the whole
+  batch, T = B x N (the packed tree is padded to its longest row, and every padded slot is
+  computed), plus an attention term growing with the cached width. Measured once per
+  target / dtype / device / threads with the ``bench --verify-cost`` code and cached on disk
+  (``load_cost_model``).
+- ``RowStats``: one request's acceptance evidence. a_j = P(the drafted token at depth j is
+  accepted | depth j - 1 was) from decayed counts with a Beta prior (the drafter's
+  ``acceptance_prior``; depth j's prior mean is depth j - 1's estimate), and kappa, the
+  calibration of the drafter's own per-token confidences c (``Proposal.confidence``).
+- ``AdaptivePolicy``: before drafting, ``plan`` picks the batch's depth n from the a_j alone
+  (n = 0: no drafter call, the plain one-token step); after drafting, ``choose`` keeps per
+  row the n most valuable tree nodes, n chosen for the batch. A node's value is the
+  probability that it is accepted: the product along its path of p = min(1, kappa c), or
+  a_j (1 - a_j)^rank without a confidence (rank = its index among siblings). With
+  rates v and padded cost,
+
+      n* = argmax_n  (B + sum_b sum_{top min(n, count_b) nodes of b} v) / (cost(B (1 + n), width) + draft(n))
+
+  exact for the padded cost model: since v never grows along a path (p <= 1), each row's
+  top-k nodes form a prefix-closed subtree, and every row may fill up to n at no extra
+  cost. Ties pick the smaller n (cheaper).
+
+The policy only shapes proposals, never acceptance, so exactness is unchanged. One rule
+keeps it so for *sampled* drafts (a proposal with q): their depth must not depend on the
+drawn tokens (cutting a chain after seeing x_j ~ q_j biases min(1, p/q)), so for those
+rows confidences are ignored and only the history-based a_j count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import SpecdraftError
+
+COST_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+COST_PREFIX = 128  # cached tokens of the main curve
+COST_LONG_PREFIX = 640  # a second, shorter curve here gives the attention term
+COST_LONG_TOKENS = (1, 8, 32)
+
+PRIOR_STRENGTH = 2.0  # pseudo-trials of the Beta prior per depth
+DECAY = 0.95  # evidence weight kept per drafted step: about the last 20 steps count
+PROBE_START, PROBE_MAX = 8, 128  # steps off before a probe; doubles after a failed probe
+SLACK = 1  # drafters may draft this much deeper than planned: confidences may justify it
+MAX_DEPTH = 16
+
+
+# ---- the cost model ----------------------------------------------------------------------
+
+
+@dataclass
+class CostModel:
+    """Seconds of one verify forward (+ logits) against padded tree tokens.
+
+    tokens:  increasing T values, tokens[0] == 1 (batch 1, a chain of T tokens)
+    seconds: forward seconds at each T with ``prefix`` tokens cached
+    per_kv:  extra seconds per (tree token x cached slot) beyond ``prefix`` (attention)
+    Invariant after construction: seconds is non-decreasing (a running max: a forward of
+    more tokens never costs less; cheaper readings are timing noise).
+    """
+
+    tokens: list[int]
+    seconds: list[float]
+    prefix: int = COST_PREFIX
+    per_kv: float = 0.0
+    key: str = ""
+
+    def __post_init__(self):
+        if not self.tokens or len(self.tokens) != len(self.seconds) or self.tokens[0] != 1 or \
+                any(b <= a for a, b in zip(self.tokens, self.tokens[1:])) or min(self.seconds) <= 0:
+            raise SpecdraftError("a cost model needs increasing token counts from 1 and positive seconds")
+        running = 0.0
+        self.seconds = [running := max(running, float(s)) for s in self.seconds]
+        self.per_kv = max(0.0, float(self.per_kv))
+
+    def __call__(self, tokens: int, width: int | None = None) -> float:
+        """Seconds of a forward over ``tokens`` padded tree tokens with ``width`` cached slots."""
+        base = self._curve(max(int(tokens), 1))
+        if width is None:
+            return base
+        return base + self.per_kv * tokens * max(0, width - self.prefix)
+
+    def _curve(self, t: int) -> float:
+        xs, ys = self.tokens, self.seconds
+        if t >= xs[-1]:  # beyond the measured range: the last slope goes on
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else ys[-1]
+            return ys[-1] + slope * (t - xs[-1])
+        i = next(i for i, x in enumerate(xs) if x >= t)
+        if xs[i] == t:
+            return ys[i]
+        frac = (t - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return ys[i - 1] + frac * (ys[i] - ys[i - 1])
+
+    def to_dict(self) -> dict:
+        return {"tokens": self.tokens, "seconds": self.seconds, "prefix": self.prefix,
+                "per_kv": self.per_kv, "key": self.key}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        return cls(tokens=[int(t) for t in d["tokens"]], seconds=[float(s) for s in d["seconds"]],
+                   prefix=int(d.get("prefix", COST_PREFIX)), per_kv=float(d.get("per_kv", 0.0)),
+                   key=str(d.get("key", "")))
+
+
+def cost_model_key(target) -> str:
+    """What the curve depends on: model, dtype, device, CPU threads, torch version."""
+    return f"{target.name}|{target.dtype}|{target.device}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+
+
+def cost_model_path(target) -> Path:
+    from .models import cache_dir
+
+    key = cost_model_key(target)
+    slug = "".join(c if c.isalnum() else "-" for c in str(target.name))[-40:]
+    return cache_dir() / "cost" / f"{slug}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
+
+
+def measure_cost_model(target, tokens=COST_TOKENS, prefix: int = COST_PREFIX, trials: int = 3) -> CostModel:
+    """Time the target (a few seconds) with ``bench --verify-cost``'s code: the curve at
+    ``prefix`` cached tokens, and a few points at a longer prefix for the attention term."""
+    from .bench.verify_cost import measure_verify_cost
+
+    prefix = max(1, min(prefix, target.max_context // 4))  # small test models have short contexts
+    room = target.max_context - prefix
+    tokens = [t for t in tokens if t <= room] or [1]
+    rows = measure_verify_cost(target, tokens, prefix, trials, warmup=1, progress=False)
+    model = CostModel([r["tree_tokens"] for r in rows], [r["ms_median"] / 1000 for r in rows], prefix)
+    long_prefix = min(COST_LONG_PREFIX, target.max_context - max(COST_LONG_TOKENS) - 1)
+    if long_prefix > 2 * prefix:
+        far = measure_verify_cost(target, list(COST_LONG_TOKENS), long_prefix, trials, warmup=1, progress=False)
+        slopes = [(r["ms_median"] / 1000 - model(r["tree_tokens"])) / (r["tree_tokens"] * (long_prefix - prefix))
+                  for r in far]
+        model.per_kv = max(0.0, sorted(slopes)[len(slopes) // 2])
+    model.key = cost_model_key(target)
+    return model
+
+
+def load_cost_model(target, refresh: bool = False, measure=measure_cost_model) -> CostModel:
+    """The cached cost model of ``target`` on this machine; measured (and cached) on first
+    use or when ``refresh``. A damaged cache file is measured again."""
+    path = cost_model_path(target)
+    if not refresh:
+        try:
+            model = CostModel.from_dict(json.loads(path.read_text(encoding="utf-8")))
+            if model.key == cost_model_key(target):
+                return model
+        except (OSError, ValueError, KeyError, TypeError, SpecdraftError):
+            pass
+    model = measure(target)
+    from .bench.store import write_json_atomic
+
+    try:
+        write_json_atomic(path, model.to_dict())
+    except OSError:
+        pass  # a read-only cache only costs a re-measurement next time
+    return model
+
+
+# ---- per-request acceptance evidence -----------------------------------------------------
+
+
+@dataclass
+class RowStats:
+    """One request's decayed acceptance counts and what the policy chose for it.
+
+    hits[j-1], trials[j-1]: drafted tokens at depth j accepted / tried (parent accepted)
+    seen, predicted: accepted children vs the sum of their confidences (for kappa)
+    """
+
+    prior: float
+    fixed: bool = False  # seeded sampling: keep the drafter's fixed shape (see new_row)
+    hits: list[float] = field(default_factory=lambda: [0.0] * MAX_DEPTH)
+    trials: list[float] = field(default_factory=lambda: [0.0] * MAX_DEPTH)
+    seen: float = 0.0
+    predicted: float = 0.0
+    off_streak: int = 0
+    probe_every: int = PROBE_START
+    off_steps: int = 0
+
+    def rates(self, depth: int) -> list[float]:
+        """a_1..a_depth: depth j's posterior mean, its prior mean being depth j-1's."""
+        out, mean = [], self.prior
+        for j in range(min(depth, MAX_DEPTH)):
+            mean = (PRIOR_STRENGTH * mean + self.hits[j]) / (PRIOR_STRENGTH + self.trials[j])
+            out.append(mean)
+        return out + [out[-1] if out else self.prior] * (depth - len(out))
+
+    @property
+    def kappa(self) -> float:
+        """Calibration of the drafter's confidences: accepted / predicted, prior 1."""
+        return (PRIOR_STRENGTH + self.seen) / (PRIOR_STRENGTH + self.predicted)
+
+    @property
+    def probe_due(self) -> bool:
+        return self.off_streak >= self.probe_every
+
+
+def best_size(gains: torch.Tensor, counts: torch.Tensor, seconds) -> int:
+    """The batch's node count n maximising expected tokens per second.
+
+    gains (B, M + 1): gains[b, k] = expected accepted drafted tokens of row b's best k nodes
+    (gains[:, 0] = 0, non-decreasing); counts (B,): nodes row b has (k <= counts[b]);
+    seconds(n): step time when the longest row verifies 1 + n tokens. Ties: smallest n."""
+    B = gains.shape[0]
+    best, best_rate = 0, -1.0
+    for n in range(int(counts.max()) + 1 if B else 1):
+        k = counts.clamp(max=n)
+        rate = (B + float(gains.gather(1, k[:, None]).sum())) / seconds(n)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = n, rate
+    return best
+
+
+class DraftTimer:
+    """Seconds a drafter call takes, by the depth it was allowed: an EWMA per depth."""
+
+    def __init__(self, weight: float = 0.2):
+        self.weight, self.seconds = weight, {}
+
+    def record(self, depth: int, seconds: float) -> None:
+        old = self.seconds.get(depth)
+        self.seconds[depth] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
+
+    def __call__(self, depth: int) -> float:
+        """Estimate for ``depth`` (0: no call). Unseen depths scale the nearest seen one."""
+        if depth <= 0 or not self.seconds:
+            return 0.0
+        near = min(self.seconds, key=lambda d: (abs(d - depth), d))
+        return self.seconds[near] * max(1.0, depth / near)
+
+
+# ---- the policy --------------------------------------------------------------------------
+
+
+class AdaptivePolicy:
+    """Chooses each step's drafting depth for the whole batch (see the module docstring)."""
+
+    def __init__(self, cost: CostModel, prior: float | None = None):
+        """``prior``: acceptance prior for every drafter (default: the drafter's own
+        ``acceptance_prior``)."""
+        self.cost, self.prior = cost, prior
+        self.draft_time = DraftTimer()
+
+    def new_row(self, drafter, params=None) -> RowStats:
+        """Stats for a new request. A seeded sampling request keeps the drafter's fixed
+        shape: its random stream is consumed per verified tree, so adapting (to the batch,
+        to timings) would make a seed's output depend on them; greedy output never does."""
+        prior = self.prior if self.prior is not None else getattr(drafter, "acceptance_prior", 0.5)
+        fixed = params is not None and not params.greedy and params.seed is not None
+        return RowStats(prior=min(max(float(prior), 0.0), 1.0), fixed=fixed)
+
+    def seconds(self, rows: int, width: int, draft_depth: int = 0):
+        """n -> seconds of a step whose longest row verifies 1 + n tokens."""
+        return lambda n: self.cost(rows * (1 + n), width) + self.draft_time(draft_depth or (n and n + SLACK))
+
+    def plan(self, stats: list[RowStats], budget: torch.Tensor, width: int) -> int:
+        """Depth to draft this step (0: drafting off, no drafter call), from the rates alone.
+
+        budget (B,): tokens a row may hold, g0 included (so it drafts <= budget - 1)."""
+        counts = (budget - 1).clamp(min=0, max=MAX_DEPTH).cpu()
+        depth = int(counts.max()) if len(stats) else 0
+        if any(s.fixed for s in stats):  # never off: a fixed row's verification must not change
+            return max(depth, 1)
+        if depth == 0:
+            return 0
+        rates = torch.tensor([s.rates(depth) for s in stats], dtype=torch.float64)
+        gains = torch.nn.functional.pad(rates.cumprod(dim=1).cumsum(dim=1), (1, 0))
+        n = best_size(gains, counts, self.seconds(len(stats), width))
+        return max(n, 1) if n == 0 and any(s.probe_due for s in stats) else n
+
+    def node_values(self, proposal, stats: list[RowStats], use_conf: torch.Tensor, owner: torch.Tensor):
+        """v (B, W, L): P(token (w, j) is accepted) = product of p along its path (v[:, :, 0] = 1)."""
+        B, W, L = proposal.beams.shape
+        device = proposal.beams.device
+        a = torch.tensor([[1.0] + s.rates(L - 1) for s in stats], device=device)[:, None, :]
+        rank = sibling_rank(owner, proposal.valid)
+        p = a * (1 - a) ** rank
+        conf = proposal.confidence
+        if conf is not None:
+            kappa = torch.tensor([s.kappa for s in stats], device=device)[:, None, None]
+            scaled = (kappa * conf.float()).clamp(0, 1)
+            p = torch.where(use_conf[:, None, None] & ~torch.isnan(scaled), scaled, p)
+        p[:, :, 0] = 1.0
+        return p.gather(1, owner).cumprod(dim=2)  # shared prefixes take their owner's p
+
+    def choose(self, proposal, stats: list[RowStats], use_conf: torch.Tensor, width: int,
+               draft_seconds: float, probe: bool) -> torch.Tensor:
+        """The proposal's valid mask cut to the best n nodes per row (prefix-closed)."""
+        from .tree import prefix_owner
+
+        B, W, L = proposal.beams.shape
+        owner = prefix_owner(proposal.beams, proposal.valid)
+        owns = (owner == torch.arange(W, device=owner.device)[None, :, None]) & proposal.valid
+        owns[:, :, 0] = False  # g0 is always verified
+        v = torch.where(owns, self.node_values(proposal, stats, use_conf, owner), -1.0)
+        flat = v.transpose(1, 2).reshape(B, L * W).double().cpu()  # depth-major: parents first
+        order = flat.sort(dim=1, descending=True, stable=True).indices
+        ranked = flat.gather(1, order).clamp(min=0)
+        gains = torch.nn.functional.pad(ranked.cumsum(dim=1), (1, 0))
+        counts = owns.flatten(1).sum(dim=1).cpu()
+        seconds = lambda n: self.cost(B * (1 + n), width) + draft_seconds  # noqa: E731 (drafting is paid)
+        n = best_size(gains, counts, seconds)
+        n = max(n, 1) if probe and n == 0 else n
+        position = torch.empty_like(order).scatter_(1, order, torch.arange(L * W).expand(B, -1))
+        kept = (position < n).reshape(B, L, W).transpose(1, 2).to(owner.device) & owns
+        kept = kept.gather(1, owner)  # a beam keeps a token if the token's owner is kept
+        kept[:, :, 0] = True
+        fixed = torch.tensor([s.fixed for s in stats], device=kept.device)[:, None, None]
+        kept |= fixed  # seeded sampling rows verify the whole proposal
+        return (proposal.valid & kept).to(torch.int8).cumprod(dim=2).bool()
+
+    def observe(self, stats: list[RowStats], offered: list[int], accepted: list[int],
+                predicted: torch.Tensor | None, off: bool) -> None:
+        """Update each row after a step: offered[b] drafted depth verified, accepted[b]
+        drafted tokens kept; predicted (B, L) the summed confidence of the children of the
+        accepted path's node at depth j - 1 (NaN: none), or None; ``off``: drafting was off."""
+        for b, s in enumerate(stats):
+            if offered[b] == 0:
+                s.off_streak += 1
+                s.off_steps += off
+                continue
+            probed = s.probe_due
+            s.probe_every = PROBE_START if accepted[b] else (min(2 * s.probe_every, PROBE_MAX) if probed
+                                                              else s.probe_every)
+            s.off_streak = 0
+            self._count(s, offered[b], accepted[b], None if predicted is None else predicted[b].tolist())
+
+    @staticmethod
+    def _count(s: RowStats, offered: int, accepted: int, predicted: list[float] | None) -> None:
+        for j in range(MAX_DEPTH):
+            s.hits[j] *= DECAY
+            s.trials[j] *= DECAY
+        s.seen *= DECAY
+        s.predicted *= DECAY
+        for j in range(min(accepted + 1, offered, MAX_DEPTH)):  # depths 1..k+1 were tried
+            hit = float(j < accepted)
+            s.hits[j] += hit
+            s.trials[j] += 1
+            if predicted is not None and j + 1 < len(predicted) and not math.isnan(predicted[j + 1]):
+                s.seen += hit
+                s.predicted += predicted[j + 1]
+
+
+def sibling_rank(owner: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """rank (B, W, L): how many distinct earlier siblings (same parent, smaller owner beam)
+    token (w, j) has; 0 at depth 0."""
+    B, W, L = owner.shape
+    parent = torch.nn.functional.pad(owner[:, :, :-1], (1, 0))  # owner of the token before
+    beam = torch.arange(W, device=owner.device)
+    owns = (owner == beam[None, :, None]) & valid
+    same = (parent[:, :, None, :] == parent[:, None, :, :]) & owns[:, None, :, :]  # (B, W_i, W_k, L)
+    earlier = beam[None, None, :, None] < owner[:, :, None, :]  # k before i's owner
+    return (same & earlier).sum(dim=2).float()
+
+
+def children_confidence(tree_owner: torch.Tensor, valid: torch.Tensor, confidence: torch.Tensor,
+                        beam: torch.Tensor) -> torch.Tensor:
+    """predicted (B, L): at depth j, the summed confidence (capped at 1) of the children of
+    the accepted beam's node at depth j - 1: the drafter's P(the path goes one deeper)."""
+    B, W, L = tree_owner.shape
+    rows = torch.arange(B, device=beam.device)
+    parent = torch.nn.functional.pad(tree_owner[:, :, :-1], (1, 0))
+    on_path = parent[rows, beam]  # (B, L): the accepted beam's parent owner at each depth
+    owns = (tree_owner == torch.arange(W, device=beam.device)[None, :, None]) & valid
+    children = owns & (parent == on_path[:, None, :])
+    conf = confidence.float()
+    total = torch.where(children, conf.nan_to_num(0.0), 0.0).sum(dim=1).clamp(max=1.0)
+    unknown = (children & torch.isnan(conf)).any(dim=1)
+    return torch.where(unknown, torch.nan, total)
+
+
+def depth_summary(hist: Counter | dict, off_steps: int) -> str:
+    """'off 62% | depth 0:40 1:20 3:5' for stats lines."""
+    steps = sum(hist.values())
+    shown = " ".join(f"{d}:{n}" for d, n in sorted(hist.items()))
+    return f"off {100 * off_steps / max(steps, 1):.0f}% | depth {shown}"

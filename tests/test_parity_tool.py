@@ -1,0 +1,255 @@
+"""``specdraft parity``'s classifier (identical / near-tie / error) on constructed cases,
+``--dtype auto``'s choice (the CPU-flag probe mocked), and the structure behind a
+monotone verify-cost curve (which kernels a 1-row forward runs; no timing)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import make_tiny_llama
+from drafters_for_tests import RandomBeamsDrafter
+from specdraft import SamplingParams, SpeculativeEngine, fastpath, models
+from specdraft.acceptance import Acceptance
+from specdraft.bench.verify_cost import monotone_violations
+from specdraft.cli import main
+from specdraft.models import load_target
+from specdraft.parity import ERROR, IDENTICAL, NEAR_TIE, compare_greedy, hf_greedy, run_parity, summary, tie_epsilon
+
+REAL_NATIVE_BF16 = models.native_bf16  # bound at collection, before conftest's session patch
+
+# ---- the classifier ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def twin(tmp_path_factory):
+    """A tiny float32 target whose greedy continuation of PROMPT has a token with an exact
+    twin (another vocabulary entry with the same LM-head row: a forced tie), plus that
+    continuation and the position of the tie."""
+    path = make_tiny_llama(tmp_path_factory.mktemp("twin") / "m", vocab_size=32, seed=3)
+    target = load_target(str(path), dtype="float32")
+    prompt = [3, 5, 7, 9]
+    ref = hf_greedy(target.model, prompt, 12, target.eos_ids)
+    index = next(i for i, t in enumerate(ref) if t != 0)
+    tied = 31 if ref[index] != 31 else 30
+    with torch.no_grad():
+        target.head.weight[tied] = target.head.weight[ref[index]]
+    assert hf_greedy(target.model, prompt, 12, target.eos_ids)[: index + 1] == ref[: index + 1]
+    return target, prompt, ref, index, tied
+
+
+def test_identical(twin):
+    target, prompt, ref, _, _ = twin
+    assert compare_greedy(target.model, prompt, list(ref), ref, torch.bfloat16).status == IDENTICAL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forced_near_tie(twin, dtype):
+    """Picking the twin of generate()'s token is a divergence at a gap of exactly 0."""
+    target, prompt, ref, index, tied = twin
+    ours = ref[:index] + [tied] + ref[index + 1:]
+    outcome = compare_greedy(target.model, prompt, ours, ref, dtype)
+    assert (outcome.status, outcome.index, outcome.ours, outcome.reference) == (NEAR_TIE, index, tied, ref[index])
+    assert outcome.gap == 0 and outcome.epsilon > 0 and outcome.ok
+
+
+def test_wrong_token_is_an_error(twin):
+    """A token far below the argmax is an error even with bfloat16's wide ε."""
+    target, prompt, ref, index, _ = twin
+    logits = target.model(torch.tensor([prompt + ref[:index]])).logits[0, -1]
+    worst = int(logits.argmin())
+    outcome = compare_greedy(target.model, prompt, ref[:index] + [worst], ref, torch.bfloat16)
+    assert outcome.status == ERROR and not outcome.ok and outcome.gap >= outcome.epsilon
+
+
+def test_stopping_early_is_an_error(twin):
+    target, prompt, ref, _, _ = twin
+    outcome = compare_greedy(target.model, prompt, ref[:3], ref)
+    assert (outcome.status, outcome.index, outcome.ours) == (ERROR, 3, None)
+
+
+def test_epsilon_follows_the_dtype_resolution():
+    logits = torch.tensor([20.0, -3.0, 1.0])
+    eps32, eps16 = tie_epsilon(torch.float32, 30, logits), tie_epsilon(torch.bfloat16, 30, logits)
+    assert eps32 == pytest.approx(2.0 ** -23 * 30 ** 0.5 * 20)
+    assert eps16 / eps32 == pytest.approx(2.0 ** 16)
+
+
+class AcceptEverything(SpeculativeEngine):
+    """A broken engine: takes beam 0 of the drafter as if the target had agreed with it."""
+
+    def _accept(self, rows, tree, proposal, logits):
+        B = proposal.beams.shape[0]
+        n = proposal.valid[:, 0].sum(-1)
+        path = tree.unpack[:, 0]  # beam 0's packed slots
+        last = path.gather(1, (n - 1)[:, None])[:, 0]
+        nxt = logits[torch.arange(B), last].argmax(-1)
+        return Acceptance(path=path, n=n, next_token=nxt, beam=torch.zeros(B, dtype=torch.long))
+
+
+def test_broken_engine_is_caught(tiny_target):
+    """Accepting unverified random drafts makes errors, each at the first wrong token."""
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    engine = AcceptEverything(tiny_target, RandomBeamsDrafter(tiny_target.vocab_size, beam_width=1, beam_length=3,
+                                                              seed=0))
+    records = run_parity(engine, tiny_target.model, prompts, ["a", "b"], max_new_tokens=10, batch_size=2)
+    assert [r.outcome.status for r in records] == [ERROR, ERROR]
+    assert summary(records) == "parity: 0 identical, 0 near-ties, 2 errors"
+    for prompt, r in zip(prompts, records):
+        ref = hf_greedy(tiny_target.model, prompt, 10, tiny_target.eos_ids)
+        assert r.outcome.reference == ref[r.outcome.index]
+
+
+def test_parity_command(tiny_target_path, tmp_path, capsys):
+    """One line per prompt, the summary line, exit 0 when nothing is an error."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(["t3 t4", "t5"])))
+    code = main(["parity", "--target", str(tiny_target_path), "--prompts-file", str(prompts), "--no-chat",
+                 "--drafter", "lookup", "--max-new-tokens", "8", "--batch-size", "2", "--dtype", "float32"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 0
+    assert out == ["0: identical", "1: identical", "parity: 2 identical, 0 near-ties, 0 errors"]
+
+
+def test_parity_command_bad_input(tiny_target_path, capsys):
+    code = main(["parity", "--target", str(tiny_target_path), "--batch-size", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("specdraft: error: ")
+
+
+# ---- --dtype auto -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def probe(monkeypatch):
+    """The real probe, with /proc/cpuinfo's flags and torch's own CPU probes mocked."""
+    monkeypatch.setattr(models, "native_bf16", REAL_NATIVE_BF16)
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, name, lambda: False, raising=False)
+
+    def set_flags(*flags):
+        monkeypatch.setattr(models, "cpu_flags", lambda: set(flags))
+    return set_flags
+
+
+@pytest.mark.parametrize("flags, expected", [(("avx512f", "avx512_bf16"), "bfloat16"), (("amx_bf16",), "bfloat16"),
+                                             (("avx2", "avx512f"), "float32"), ((), "float32")])
+def test_auto_dtype_on_cpu(probe, flags, expected):
+    probe(*flags)
+    assert models.resolve_dtype("auto", "cpu") == expected
+    assert models.resolve_dtype("float32", "cpu") == "float32"  # an explicit dtype is kept
+
+
+def test_auto_dtype_on_cuda(probe, monkeypatch):
+    probe()
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert models.resolve_dtype("auto", torch.device("cuda")) == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert models.resolve_dtype("auto", torch.device("cuda")) == "float32"
+
+
+@pytest.mark.parametrize("flags, expected", [(("avx512_bf16",), torch.bfloat16), ((), torch.float32)])
+def test_auto_dtype_loads_and_says_so(probe, tiny_target_path, capsys, flags, expected):
+    probe(*flags)
+    assert load_target(str(tiny_target_path)).dtype == expected  # load_target's default is auto
+    code = main(["generate", "--target", str(tiny_target_path), "--no-chat", "--prompt", "t3 t4", "--drafter",
+                 "none", "--max-new-tokens", "2", "--json"])
+    err = [line for line in capsys.readouterr().err.splitlines() if "dtype" in line]
+    name = str(expected).removeprefix("torch.")
+    assert code == 0 and len(err) == 1 and err[0].startswith(f"specdraft: dtype {name} (--dtype auto")
+
+
+# ---- verify cost: structure, not timing ---------------------------------------------------------
+
+
+class MatmulLog(TorchDispatchMode):
+    """Records (op, input shapes) of every matrix product dispatched."""
+
+    OPS = {"mm", "addmm", "mv", "addmv", "bmm", "baddbmm", "dot"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.OPS:
+            self.calls.append((name, tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))))
+        return func(*args, **(kwargs or {}))
+
+
+def linear_calls(target, n: int) -> list:
+    """The matrix products of the linears of one engine forward of n tree tokens (after a
+    5-token cache), logits included; attention's own products are left out."""
+    from specdraft.bench.verify_cost import prefill
+
+    cache = prefill(target, 5, 16)
+    ids = torch.arange(1, n + 1)[None]
+    chain = torch.ones(n, n, dtype=torch.bool).tril()[None]
+    with torch.no_grad(), MatmulLog() as log:
+        target.logits(target.forward(ids, 5 + torch.arange(n)[None], cache.attention_mask(chain), cache))
+    weights = {tuple(m.weight.shape) for m in target.model.modules() if isinstance(m, torch.nn.Linear)}
+    return [c for c in log.calls if any(s in weights for s in c[1])]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_row_runs_the_kernels_of_two(tiny_target_path, dtype):
+    """Why a 1-token forward costs no more than a 2-token one (a monotone verify-cost
+    curve): in float32 every linear of a 1-row forward runs the very matrix product (same
+    op, same shapes) a 2-row forward runs, one row padded; in bfloat16 both run the stock
+    F.linear. The speed of those kernels is measured by ``specdraft bench --verify-cost``."""
+    target = load_target(str(tiny_target_path), dtype=dtype)
+    one, two = linear_calls(target, 1), linear_calls(target, 2)
+    assert one and len(one) == len(two)
+    if dtype == "float32":
+        assert one == two and {op for op, _ in one} == {"mm"}
+    else:
+        assert all(op not in ("mv", "addmv") for op, _ in two)
+    assert fastpath.LAYOUTS.get(target.dtype) == (fastpath.TRANSPOSED if dtype == "float32" else None)
+
+
+def test_monotone_violations():
+    rows = [{"tree_tokens": n, "ms_median": ms} for n, ms in [(1, 40.0), (2, 38.0), (4, 39.6), (8, 52.0)]]
+    assert [r["tree_tokens"] for r in monotone_violations(rows)] == [2]
+    assert monotone_violations(rows[:1] + rows[2:]) == []
+
+
+def test_engine_greedy_with_padded_rows_matches_generate(tiny_target):
+    """The padded 1-row path is exact: plain decoding equals generate() token for token."""
+    from specdraft.drafters import NoDrafter
+
+    prompt = [2, 3, 4, 5]
+    ours = SpeculativeEngine(tiny_target, NoDrafter()).generate([prompt], SamplingParams(max_new_tokens=16))[0]
+    assert ours.token_ids == hf_greedy(tiny_target.model, prompt, 16, tiny_target.eos_ids)
+
+
+def test_bf16_tree_rows_equal_one_token_steps(tiny_target_path, monkeypatch):
+    """In bfloat16, a verify forward of a 6-token chain gives, row by row, bitwise the logits
+    of six one-token forwards (tree queries run in SDPA calls of QUERY_CHUNK rows)."""
+    from specdraft.bench.verify_cost import prefill
+
+    target = load_target(str(tiny_target_path), dtype="bfloat16")
+    calls = []
+    real = fastpath.chunked_sdpa
+    monkeypatch.setattr(fastpath, "chunked_sdpa", lambda *a, **k: calls.append(a[1].shape[2]) or real(*a, **k))
+    fastpath.register_attention()
+    ids = [3, 7, 2, 9, 4, 5]
+    with torch.no_grad():
+        cache = prefill(target, 5, 16)
+        chain = torch.ones(6, 6, dtype=torch.bool).tril()[None]
+        tree = target.logits(target.forward(torch.tensor([ids]), 5 + torch.arange(6)[None],
+                                            cache.attention_mask(chain), cache))[0]
+        cache = prefill(target, 5, 16)
+        steps = []
+        for i, tok in enumerate(ids):
+            one = torch.ones(1, 1, 1, dtype=torch.bool)
+            h = target.forward(torch.tensor([[tok]]), torch.tensor([[5 + i]]), cache.attention_mask(one), cache)
+            cache.commit(torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
+            steps.append(target.logits(h)[0, 0])
+    monkeypatch.undo()
+    fastpath.register_attention()  # the real function again, for later tests
+    assert 6 in calls  # the tree forward went through the chunking attention
+    assert all(torch.equal(tree[i], steps[i]) for i in range(6))
