@@ -75,3 +75,24 @@ def tiny_target(tiny_target_path) -> Target:
 def smol() -> Target:
     """The real default target (float32, CPU: parity with generate() is exact there)."""
     return load_target("default", dtype="float32")
+
+
+# One MT-Bench question from each of its 8 categories (writing, roleplay, reasoning, math,
+# coding, extraction, stem, humanities: 10 questions each, in that order).
+PARITY_QUESTIONS = [3, 14, 25, 36, 47, 58, 69, 79]
+PARITY_NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="session")
+def smol_parity_cases(smol) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, transformers' greedy continuation of PARITY_NEW_TOKENS) for a spread of
+    MT-Bench questions; computed once for every parity test (8 generate() calls)."""
+    from specdraft.parity import hf_greedy
+    from specdraft.prompts import mtbench_first_turns
+
+    questions = mtbench_first_turns()
+    out = []
+    for i in PARITY_QUESTIONS:
+        ids = smol.encode_prompt(questions[i]["prompt"], chat=True)
+        out.append((ids, hf_greedy(smol.model, ids, PARITY_NEW_TOKENS)))
+    return out

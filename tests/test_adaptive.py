@@ -266,12 +266,10 @@ SMOL_COST = CostModel([1, 4, 8, 16, 64], [1.0, 1.0, 1.1, 1.5, 4.0])  # drafting 
 
 
 @pytest.mark.parametrize("name", ["lookup", "random-beams", "shipped-redrafter", "shipped-draft"])
-def test_smollm2_greedy_parity_with_policy(smol, name):
+def test_smollm2_greedy_parity_with_policy(smol, smol_parity_cases, name):
     import test_parity_smollm2 as parity
 
-    cases = parity.cases.__wrapped__(smol) if hasattr(parity.cases, "__wrapped__") else None
-    if cases is None:
-        pytest.skip("the parity cases fixture cannot be called directly here")
+    cases = smol_parity_cases
     engine = SpeculativeEngine(smol, parity.make_drafter(smol, cases, name), policy=AdaptivePolicy(SMOL_COST))
     for start in range(0, len(cases), 4):
         group = cases[start: start + 4]

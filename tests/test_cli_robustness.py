@@ -193,6 +193,7 @@ WORK = {
     "train": ["specdraft.train.redrafter.run", "specdraft.train.draft.run"],
     "export": ["specdraft.redrafter.export.export_trtllm"],
     "fit": ["specdraft.train.fit.run_fit"],
+    "parity": ["specdraft.cli.load_engine"],
 }
 
 

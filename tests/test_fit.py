@@ -159,7 +159,8 @@ def test_fit_end_to_end_then_exact_and_walk_is_engine_tau(tiny_target_path, tiny
     assert curve[-1]["eval_acc1_0"] > curve[0]["eval_acc1_0"]  # it learned
     final = out / "final"
     head = ReDrafterHead.load(final, tiny_target)
-    assert head.config.draft_vocab == 10 and head.dtype == torch.bfloat16
+    assert head.config.draft_vocab == 10 and head.dtype == tiny_target.dtype == torch.float32  # runs as the target
+    assert load_file(final / "model.safetensors")["rnn_w.weight"].dtype == torch.bfloat16  # stored half size
     # The curve's τ is the engine's greedy τ on those answers (W = 1, every L).
     from drafters_for_tests import engine_forwards
     from specdraft.train.examples import load_examples as load
@@ -252,3 +253,26 @@ def test_fit_trains_medusa_heads_too(tiny_target_path, tiny_target, data, answer
     drafter = build_drafter(f"medusa:{out / 'final'}", tiny_target, beam_width=2, beam_length=3)
     got = [r.token_ids for r in SpeculativeEngine(tiny_target, drafter, max_tree_tokens=None).generate(PROMPTS, params)]
     assert got == ref and drafter.heads.config.draft_vocab == 10
+
+
+@pytest.mark.parametrize("variant", ["own", "shared"])
+def test_warm_start_takes_a_full_vocabulary_head_into_a_draft_vocabulary(tiny_target, tmp_path, variant):
+    """--init-from: a full-vocabulary head seeds a draft-vocabulary one, whose logits are
+    then the warm head's own at the draft ids (so training continues, not restarts)."""
+    from specdraft.errors import SpecdraftError
+    from specdraft.train.fit import warm_start
+
+    torch.manual_seed(2)
+    warm = ReDrafterHead.for_target(tiny_target, head=variant)
+    for p in warm.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    vocab = DraftVocab(8, int(tiny_target.vocab_size))
+    vocab.set_ids(torch.tensor([0, 2, 3, 5, 7, 8, 11, 13]))
+    head = ReDrafterHead.for_target(tiny_target, head=variant, draft_vocab=vocab)
+    warm_start(head, warm)
+    assert torch.equal(head.draft_vocab.ids(), vocab.ids())
+    h, s = torch.randn(3, 32), torch.randn(3, 32)
+    assert torch.allclose(head.draft_logits(h, s), warm.logits(h, s)[:, vocab.ids()], atol=1e-5)
+    other = ReDrafterHead.for_target(tiny_target, head="shared" if variant == "own" else "own", draft_vocab=vocab)
+    with pytest.raises(SpecdraftError, match="--init-from"):
+        warm_start(other, warm)

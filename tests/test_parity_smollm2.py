@@ -11,28 +11,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import PARITY_NEW_TOKENS
 from drafters_for_tests import RandomBeamsDrafter
 from specdraft import SamplingParams, SpeculativeEngine
 from specdraft.drafters import LookupDrafter, NoDrafter
 from specdraft.drafters.registry import build_drafter
-from specdraft.parity import NEAR_TIE, compare_greedy, hf_greedy
-from specdraft.prompts import mtbench_first_turns
+from specdraft.parity import NEAR_TIE, compare_greedy
 
-NEW_TOKENS = 64
-# One question from each of MT-Bench's 8 categories (writing, roleplay, reasoning, math,
-# coding, extraction, stem, humanities: 10 questions each, in that order).
-QUESTION_INDICES = [3, 14, 25, 36, 47, 58, 69, 79]
+NEW_TOKENS = PARITY_NEW_TOKENS
 
 
 @pytest.fixture(scope="module")
-def cases(smol):
+def cases(smol_parity_cases):
     """(prompt ids, transformers' greedy continuation) for a spread of MT-Bench questions."""
-    questions = mtbench_first_turns()
-    out = []
-    for i in QUESTION_INDICES:
-        ids = smol.encode_prompt(questions[i]["prompt"], chat=True)
-        out.append((ids, hf_greedy(smol.model, ids, NEW_TOKENS)))
-    return out
+    return smol_parity_cases
 
 
 def check(smol, cases, results):

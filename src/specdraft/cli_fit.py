@@ -64,7 +64,8 @@ def add_fit(subparsers) -> None:
     g.add_argument("--future-tokens", "-K", type=int, default=4, metavar="K", help="(default: %(default)s)")
     g.add_argument("--num-blocks", type=int, metavar="N",
                    help="residual blocks (default: 2 for redrafter, as the paper; 1 per Medusa head)")
-    g.add_argument("--init-from", metavar="PATH", help="start from this ReDrafter checkpoint's weights")
+    g.add_argument("--init-from", metavar="PATH", help="start from this checkpoint's weights ('default': the head shipped for the default target); "
+                        "its draft vocabulary rows are taken from a full-vocabulary head")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=2, help="(default: %(default)s)")
     g.add_argument("--max-steps", type=int, metavar="N", help="at most N optimizer steps (the LR schedule spans "
@@ -99,7 +100,7 @@ def config_from(args: argparse.Namespace):
         raise SpecdraftError(f"--out {args.out} exists and is not a directory")
     for name in ("heldout_data", "init_from"):
         value = getattr(args, name)
-        if value and not Path(value).exists():
+        if value and not (name == "init_from" and value == "default") and not Path(value).exists():
             raise SpecdraftError(f"--{name.replace('_', '-')} {value}: not found")
     return config
 

@@ -48,7 +48,7 @@ def trtllm_state(config: ReDrafterConfig, state: dict[str, torch.Tensor],
         if lm_head_weight is None:
             raise SpecdraftError("exporting a shared-head ReDrafter needs the target's LM head weight")
         proj = state["proj.weight"]
-        # Fold in float32 (then back to the checkpoint's dtype) so the product is not rounded twice.
+        # Fold in float32 (then back to the head's dtype) so the product is not rounded twice.
         out[f"lm_head.{N}.weight"] = (lm_head_weight.float() @ proj.float()).to(proj.dtype)
     return out
 

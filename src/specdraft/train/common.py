@@ -138,6 +138,7 @@ class LoopOptions:
     max_grad_norm: float | None = 1.0
     progress: bool = True
     save_every_seconds: float | None = None  # also checkpoint when this much time has passed
+    resume_hint: str = "rerun with --resume to continue"  # what an interrupted run tells the user
     deadline: float | None = None  # time.monotonic() at which to checkpoint and stop
 
 
@@ -342,8 +343,8 @@ def train_loop(accelerator, task, model, optimizer, scheduler, plan: Plan, state
         if accelerator.num_processes == 1 and state.step > 0 and not updating:
             # Between steps the state is consistent: keep the work done so far.
             save_checkpoint(accelerator, task, opts.out, state.step, opts.keep_checkpoints)
-            print(f"\nspecdraft: interrupted; saved {checkpoint_dir(opts.out, state.step)} "
-                  f"(rerun with --resume to continue)", file=sys.stderr)
+            print(f"\nspecdraft: interrupted; saved {checkpoint_dir(opts.out, state.step)} ({opts.resume_hint})",
+                  file=sys.stderr)
         raise
     finally:
         bar.close()

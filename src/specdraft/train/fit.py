@@ -329,6 +329,7 @@ def sigterm_as_interrupt():
 
 def build_objective(config: FitConfig, target, vocab: DraftVocab | None):
     """The head (fresh, or ``init_from``'s weights) and its loss, in float32."""
+    from ..drafters.registry import checkpoint_path
     from ..redrafter import MedusaHeads, ReDrafterHead
     from .redrafter import HeadObjective
 
@@ -341,12 +342,39 @@ def build_objective(config: FitConfig, target, vocab: DraftVocab | None):
                                         beam_width=config.beam_width, beam_length=config.beam_length,
                                         draft_vocab=vocab)
     if config.init_from:
-        warm = type(head).load(config.init_from, target)
-        head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in warm.state_dict().items()})
+        warm_start(head, type(head).load(checkpoint_path(config.drafter, config.init_from), target))
     elif config.head == "shared" and config.drafter == "redrafter":
         with torch.no_grad():
             head.proj.weight.zero_()  # uniform start (see train.redrafter.build_head)
     return HeadObjective(head.float(), config.K)
+
+
+def warm_start(head: torch.nn.Module, warm: torch.nn.Module) -> None:
+    """Copy ``warm``'s trained weights into ``head`` (float32). The draft vocabulary is the
+    fit's own: a warm head over the whole vocabulary gives its output rows for the draft
+    ids, and a "shared" head needs nothing more (its output is the target's LM head). Any
+    other difference of shape (head variant, blocks, width) is a one-line error."""
+    ids = head.draft_vocab.ids() if getattr(head, "draft_vocab", None) is not None else None
+    mine = head.state_dict()
+    loaded = {}
+    for name, value in warm.state_dict().items():
+        if name.startswith("draft_vocab."):
+            continue  # the fit's vocabulary wins (below: the warm output rows it selects)
+        if name == "out.weight" and name in mine and ids is not None and value.shape[0] != mine[name].shape[0]:
+            if getattr(warm, "draft_vocab", None) is not None:
+                raise SpecdraftError("--init-from: a head with another draft vocabulary cannot seed this one's "
+                                     "output layer; start from a full-vocabulary head or use the same --draft-vocab")
+            value = value[ids.to(value.device)]
+        if name not in mine or mine[name].shape != value.shape:
+            raise SpecdraftError(f"--init-from: its {name} {tuple(value.shape)} does not fit this head "
+                                 f"({tuple(mine[name].shape) if name in mine else 'absent'}); use the same "
+                                 "--head and --num-blocks as the checkpoint")
+        loaded[name] = value.float()
+    missing = [k for k in mine if k not in loaded and not k.startswith("draft_vocab.")]
+    if missing:
+        raise SpecdraftError(f"--init-from: the checkpoint has no {', '.join(missing)}; use the same --head and "
+                             "--num-blocks as the checkpoint")
+    head.load_state_dict({**mine, **loaded})
 
 
 def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: DraftVocab | None,
@@ -391,7 +419,8 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
                        # Logged steps divide eval_every, so evaluations fall on its multiples only
                        # (never on the step a run was stopped at): a resumed run scores the same steps.
                        log_every=math.gcd(20, config.eval_every), deadline=deadline, progress=config.progress,
-                       stop_after_steps=config.stop_after_steps)
+                       stop_after_steps=config.stop_after_steps,
+                       resume_hint=f"run the same specdraft fit command, --out {config.out}, to continue")
     say(f"training on {len(corpus)} positions ({corpus.tokens} tokens), {plan.total_steps} steps of "
         f"{plan.batch_size * BLOCK} positions")
     with sigterm_as_interrupt():
