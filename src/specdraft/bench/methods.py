@@ -74,7 +74,7 @@ class EngineMethod(Method):
         """``policy``: adaptive drafting (specdraft.adaptive), None for the fixed shape."""
         from collections import Counter
 
-        from ..drafters.draft_model import parameter_count
+        from ..models import parameter_count
         from ..drafters.registry import build_drafter
         from ..engine import SpeculativeEngine
 

@@ -108,7 +108,7 @@ def environment(target, cfg: BenchConfig) -> dict:
     import transformers
 
     from .. import __version__
-    from ..drafters.draft_model import parameter_count
+    from ..models import parameter_count
 
     dev = target.device
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()

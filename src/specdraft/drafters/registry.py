@@ -57,7 +57,7 @@ def build_drafter(spec: str, target, beam_width: int | None = None, beam_length:
     if kind == "none" and not path:
         return NoDrafter()
     if kind == "lookup" and not path:
-        width, length = LookupDrafter.recorded_shape() or (1, 4)  # a sweep's choice, else defaults
+        width, length = LookupDrafter.default_shape()
         return LookupDrafter(beam_width=beam_width or width, beam_length=beam_length or length)
     if kind == "draft" and path:
         from .draft_model import DraftModelDrafter
