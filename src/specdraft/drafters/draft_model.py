@@ -43,7 +43,7 @@ from ..checkpoint import WEIGHTS, read_config
 from ..errors import SpecdraftError, first_line
 from ..models import Target, parameter_count  # re-exported: tests and users import it here
 from ..sampling import make_generator, sample, target_probs
-from .base import DraftContext, Drafter, Proposal
+from .base import DraftContext, Drafter, Proposal, check_shapes
 
 DRAFT_SEED_OFFSET = 0x5EED_D7AF  # the draft's stream differs from the target's, same seed
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -63,8 +63,7 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, model: torch.nn.Module, gamma: int = DEFAULT_GAMMA, beam_width: int = 1,
                  tokenizer=None, name: str = "draft model"):
-        if gamma < 1 or beam_width < 1:
-            raise SpecdraftError(f"gamma and beam width must be >= 1, got {gamma} and {beam_width}")
+        check_shapes(beam_width=beam_width, gamma=gamma)
         self.draft = Target(model=model, tokenizer=tokenizer, name=name)
         self.gamma, self.W = gamma, min(beam_width, self.draft.vocab_size)
         self.num_parameters = parameter_count(model)

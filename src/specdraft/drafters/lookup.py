@@ -14,7 +14,7 @@ import json
 import torch
 
 from ..models import cache_dir
-from .base import DraftContext, Drafter, Proposal
+from .base import DraftContext, Drafter, Proposal, check_shapes
 
 
 DEFAULT_BEAM_WIDTH, DEFAULT_BEAM_LENGTH = 1, 4  # (W, L) when no sweep recorded a shape
@@ -27,8 +27,7 @@ class LookupDrafter(Drafter):
 
     def __init__(self, beam_width: int = DEFAULT_BEAM_WIDTH, beam_length: int = DEFAULT_BEAM_LENGTH,
                  max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int = 1):
-        if beam_width < 1 or beam_length < 1:
-            raise ValueError("beam width and length must be >= 1")
+        check_shapes(beam_width, beam_length)
         self.W, self.L = beam_width, beam_length
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 

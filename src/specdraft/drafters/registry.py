@@ -5,17 +5,10 @@ from __future__ import annotations
 
 from ..errors import SpecdraftError
 from .autoregressive import NoDrafter
-from .base import Drafter
+from .base import Drafter, check_shapes  # check_shapes re-exported: the CLI checks shapes here
 from .lookup import LookupDrafter
 
 KINDS = ("none", "lookup", "redrafter:PATH", "medusa:PATH", "draft:PATH", "A+B (e.g. lookup+redrafter:PATH)")
-
-
-def check_shapes(beam_width: int | None = None, beam_length: int | None = None, gamma: int | None = None) -> None:
-    """Drafting shapes must be >= 1 where given (checked before any model loads)."""
-    for name, value in (("beam width", beam_width), ("beam length", beam_length), ("gamma", gamma)):
-        if value is not None and value < 1:
-            raise SpecdraftError(f"{name} must be >= 1, got {value}")
 
 
 SHIPPED_KINDS = ("redrafter", "medusa", "draft")
