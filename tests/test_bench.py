@@ -321,7 +321,7 @@ def test_mbsu_and_stages():
 
 
 def test_method_specs_are_checked_before_anything_runs(tmp_path):
-    from specdraft.bench.methods import check_spec
+    from specdraft.bench.specs import check_spec
 
     for good in ("none", "lookup@1x4", "redrafter:default", "lookup+redrafter:default@1x2", f"draft:{tmp_path}"):
         check_spec(good)
