@@ -83,6 +83,14 @@ def test_every_requested_row_is_there(first_run):
     assert "bench" in results["command"]
 
 
+def test_lookup_and_hf_lookup_compare_the_same_stated_length(first_run):
+    # hf-lookup's default length is read from our lookup's, not copied (it once said 8 vs 4).
+    rows = rows_by(first_run[1])
+    ours, theirs = rows[("lookup", 0.0, 1)], rows[("hf-lookup", 0.0, 1)]
+    assert ours["beam_length"] and ours["beam_length"] == theirs["beam_length"]
+    assert ours["beam_width"] == theirs["beam_width"] == 1
+
+
 def test_figures_follow_from_raw_numbers(first_run):
     _, results = first_run
     rows = rows_by(results)
@@ -313,7 +321,7 @@ def test_mbsu_and_stages():
 
 
 def test_method_specs_are_checked_before_anything_runs(tmp_path):
-    from specdraft.bench.methods import check_spec
+    from specdraft.bench.specs import check_spec
 
     for good in ("none", "lookup@1x4", "redrafter:default", "lookup+redrafter:default@1x2", f"draft:{tmp_path}"):
         check_spec(good)

@@ -117,6 +117,12 @@ def test_stop_string_ends_the_text(tiny_target_path, capsys):
     assert got["text"] == "t8 t12 " and got["finish_reason"] == "stop"
 
 
+def test_streamed_text_never_shows_the_start_of_a_stop_string(tiny_target_path, capsys):
+    # "t8 t12" could begin the stop string "t12 t4": it must be held back, not printed and then cut.
+    assert generate(tiny_target_path, "--prompt", SHORT, "--stop", "t12 t4") == 0
+    assert capsys.readouterr().out == "t8 \n"
+
+
 def test_help_documents_per_prompt_seeds(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--help"])

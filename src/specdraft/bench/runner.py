@@ -23,7 +23,8 @@ from ..errors import SpecdraftError
 from ..sampling import SamplingParams
 from . import metrics
 from .datasets import BenchPrompt, dataset_label, encode_first_turns, load_prompts, second_turn_ids
-from .methods import Method, build_method
+from .methods import Method
+from .specs import build_method
 from .store import RESULTS, load_for_resume, row_key, write_json_atomic
 
 AR, HF_AR = "none", "hf-ar"
@@ -82,7 +83,7 @@ class BenchConfig:
         return head + [d for d in asked if d not in head]
 
     def validate(self) -> None:
-        from .methods import check_spec
+        from .specs import check_spec
 
         for name, values in (("--drafters", self.drafters), ("--dataset", self.datasets),
                              ("--batch-sizes", self.batch_sizes), ("--temperatures", self.temperatures)):
@@ -108,7 +109,7 @@ def environment(target, cfg: BenchConfig) -> dict:
     import transformers
 
     from .. import __version__
-    from ..drafters.draft_model import parameter_count
+    from ..models import parameter_count
 
     dev = target.device
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()

@@ -25,7 +25,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from ..errors import SpecdraftError
+from ..errors import SpecdraftError, first_line
 
 TEXT_SUFFIXES = {".txt", ".text", ".md", ".rst", ".html", ".htm", ".py", ".c", ".h", ".json", ".tex", ".csv",
                  ".xml", ".yaml", ".yml", ".toml", ".cfg", ".ini", ".sh", ".js", ".css", ".java", ".go",
@@ -148,7 +148,7 @@ def iter_dataset_documents(spec: str, split: str = "train", field: str = "text",
     try:
         ds = load_dataset(name, config or None, split=split, streaming=True)
     except Exception as e:  # network, missing dataset, bad config: one line
-        raise SpecdraftError(f"could not load dataset {spec!r}: {str(e).splitlines()[0] if str(e) else e}") from None
+        raise SpecdraftError(f"could not load dataset {spec!r}: {first_line(e)}") from None
     for n, row in enumerate(ds):
         if limit is not None and n >= limit:
             return

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import SpecdraftError
+
 
 @dataclass
 class DraftContext:
@@ -92,3 +94,12 @@ def single_beam(g0: torch.Tensor) -> Proposal:
     """The trivial proposal: just g0, i.e. one autoregressive step."""
     beams = g0[:, None, None]
     return Proposal(beams=beams, valid=torch.ones_like(beams, dtype=torch.bool))
+
+
+def check_shapes(beam_width: int | None = None, beam_length: int | None = None, gamma: int | None = None) -> None:
+    """Drafting shapes must be integers >= 1 where given: the one check of every drafter,
+    also run by the command line before any model loads."""
+    for name, value in (("beam width", beam_width), ("beam length", beam_length), ("gamma", gamma)):
+        # bool is an int subclass: True would pass as a width of 1.
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise SpecdraftError(f"{name} must be an integer >= 1, got {value!r}")

@@ -40,18 +40,14 @@ import torch
 
 from ..cache import CompactCache
 from ..checkpoint import WEIGHTS, read_config
-from ..errors import SpecdraftError
-from ..models import Target
+from ..errors import SpecdraftError, first_line
+from ..models import Target, parameter_count  # re-exported: tests and users import it here
 from ..sampling import make_generator, sample, target_probs
-from .base import DraftContext, Drafter, Proposal
+from .base import DraftContext, Drafter, Proposal, check_shapes
 
 DRAFT_SEED_OFFSET = 0x5EED_D7AF  # the draft's stream differs from the target's, same seed
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def parameter_count(model: torch.nn.Module) -> int:
-    """Number of parameters (tied weights counted once)."""
-    return sum(p.numel() for p in model.parameters())
+DEFAULT_GAMMA = 4  # drafted tokens per step when neither --gamma nor the folder's config says
 
 
 def memory_bound_speedup(tau: float, gamma: int, n_draft: int, n_target: int) -> float:
@@ -65,10 +61,9 @@ class DraftModelDrafter(Drafter):
     name = "draft"
     acceptance_prior = 0.6
 
-    def __init__(self, model: torch.nn.Module, gamma: int = 4, beam_width: int = 1,
+    def __init__(self, model: torch.nn.Module, gamma: int = DEFAULT_GAMMA, beam_width: int = 1,
                  tokenizer=None, name: str = "draft model"):
-        if gamma < 1 or beam_width < 1:
-            raise SpecdraftError(f"gamma and beam width must be >= 1, got {gamma} and {beam_width}")
+        check_shapes(beam_width=beam_width, gamma=gamma)
         self.draft = Target(model=model, tokenizer=tokenizer, name=name)
         self.gamma, self.W = gamma, min(beam_width, self.draft.vocab_size)
         self.num_parameters = parameter_count(model)
@@ -94,7 +89,7 @@ class DraftModelDrafter(Drafter):
         model = load_model(folder, target)
         check_vocab_size(model.get_output_embeddings().weight.shape[0], str(path), target)
         # Shapes not given fall back to what `specdraft sweep` recorded in the config.
-        return cls(model, gamma=gamma or cfg.get("gamma") or 4, beam_width=beam_width or cfg.get("beam_width") or 1,
+        return cls(model, gamma=gamma or cfg.get("gamma") or DEFAULT_GAMMA, beam_width=beam_width or cfg.get("beam_width") or 1,
                    tokenizer=tokenizer if tokenizer is not None else target.tokenizer, name=str(path))
 
     # ---- the drafter protocol -----------------------------------------------------------
@@ -311,7 +306,7 @@ def check_weights_file(folder: Path) -> None:
         with safe_open(str(path), framework="pt") as f:  # reads the header only
             f.keys()
     except (SafetensorError, OSError, ValueError) as e:
-        raise SpecdraftError(f"{path} is not a valid safetensors file: {str(e).splitlines()[0]}") from None
+        raise SpecdraftError(f"{path} is not a valid safetensors file: {first_line(e)}") from None
 
 
 def check_vocab_size(size: int, name: str, target) -> None:
@@ -329,7 +324,7 @@ def load_tokenizer(folder: Path):
     try:
         return AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError, TypeError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise SpecdraftError(f"could not load the tokenizer of draft model {folder}: {first}") from None
 
 
@@ -357,7 +352,7 @@ def load_model(folder: Path, target) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(
             str(folder), use_safetensors=True, dtype=target.dtype, attn_implementation="sdpa")
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise SpecdraftError(f"could not load draft model {folder}: {first}") from None
     model.to(target.device).eval()
     model.requires_grad_(False)

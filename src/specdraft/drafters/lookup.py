@@ -14,16 +14,20 @@ import json
 import torch
 
 from ..models import cache_dir
-from .base import DraftContext, Drafter, Proposal
+from .base import DraftContext, Drafter, Proposal, check_shapes
+
+
+DEFAULT_BEAM_WIDTH, DEFAULT_BEAM_LENGTH = 1, 4  # (W, L) when no sweep recorded a shape
+DEFAULT_MAX_NGRAM = 3
 
 
 class LookupDrafter(Drafter):
     name = "lookup"
     acceptance_prior = 0.6  # given a match
 
-    def __init__(self, beam_width: int = 1, beam_length: int = 4, max_ngram: int = 3, min_ngram: int = 1):
-        if beam_width < 1 or beam_length < 1:
-            raise ValueError("beam width and length must be >= 1")
+    def __init__(self, beam_width: int = DEFAULT_BEAM_WIDTH, beam_length: int = DEFAULT_BEAM_LENGTH,
+                 max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int = 1):
+        check_shapes(beam_width, beam_length)
         self.W, self.L = beam_width, beam_length
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
@@ -56,6 +60,11 @@ class LookupDrafter(Drafter):
                     break
             return n, found
         return 0, []
+
+    @staticmethod
+    def default_shape() -> tuple[int, int]:
+        """(W, L) of ``lookup`` when none is given: a sweep's choice, else the defaults."""
+        return LookupDrafter.recorded_shape() or (DEFAULT_BEAM_WIDTH, DEFAULT_BEAM_LENGTH)
 
     @staticmethod
     def recorded_shape() -> tuple[int, int] | None:

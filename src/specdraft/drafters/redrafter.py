@@ -12,19 +12,16 @@ from __future__ import annotations
 import torch
 
 from .. import fastpath
-from ..errors import SpecdraftError
 from ..redrafter.beam_search import redrafter_beam_search
 from ..redrafter.model import ReDrafterHead
-from .base import DraftContext, Drafter, Proposal
+from .base import DraftContext, Drafter, Proposal, check_shapes
 
 
 def beam_shape(config, beam_width: int | None, beam_length: int | None) -> tuple[int, int]:
     """(W, L): the arguments where given, else the checkpoint's recorded defaults."""
     W = config.beam_width if beam_width is None else beam_width
     L = config.beam_length if beam_length is None else beam_length
-    for name, value in (("beam width", W), ("beam length", L)):
-        if not isinstance(value, int) or value < 1:
-            raise SpecdraftError(f"{name} must be an integer >= 1, got {value!r}")
+    check_shapes(W, L)
     return W, L
 
 

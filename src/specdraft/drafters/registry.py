@@ -5,17 +5,10 @@ from __future__ import annotations
 
 from ..errors import SpecdraftError
 from .autoregressive import NoDrafter
-from .base import Drafter
+from .base import Drafter, check_shapes  # check_shapes re-exported: the CLI checks shapes here
 from .lookup import LookupDrafter
 
 KINDS = ("none", "lookup", "redrafter:PATH", "medusa:PATH", "draft:PATH", "A+B (e.g. lookup+redrafter:PATH)")
-
-
-def check_shapes(beam_width: int | None = None, beam_length: int | None = None, gamma: int | None = None) -> None:
-    """Drafting shapes must be >= 1 where given (checked before any model loads)."""
-    for name, value in (("beam width", beam_width), ("beam length", beam_length), ("gamma", gamma)):
-        if value is not None and value < 1:
-            raise SpecdraftError(f"{name} must be >= 1, got {value}")
 
 
 SHIPPED_KINDS = ("redrafter", "medusa", "draft")
@@ -57,7 +50,7 @@ def build_drafter(spec: str, target, beam_width: int | None = None, beam_length:
     if kind == "none" and not path:
         return NoDrafter()
     if kind == "lookup" and not path:
-        width, length = LookupDrafter.recorded_shape() or (1, 4)  # a sweep's choice, else defaults
+        width, length = LookupDrafter.default_shape()
         return LookupDrafter(beam_width=beam_width or width, beam_length=beam_length or length)
     if kind == "draft" and path:
         from .draft_model import DraftModelDrafter

@@ -54,7 +54,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..data.chat import IGNORE
-from ..errors import SpecdraftError
+from ..errors import SpecdraftError, first_line
 from .common import (HeldOut, JsonLog, LoopOptions, finish_run, Plan, TrainState, cosine_schedule, describe,
                      make_accelerator, reduced_sums, train_loop)
 from .examples import Example
@@ -90,7 +90,7 @@ class TargetFacts:
 
     @classmethod
     def of(cls, target) -> "TargetFacts":
-        from ..drafters.draft_model import parameter_count
+        from ..models import parameter_count
 
         cfg = target.config
         heads = int(getattr(cfg, "num_attention_heads", 0) or max(1, target.hidden_size // 64))
@@ -278,7 +278,7 @@ def init_from_target(draft, target, facts: TargetFacts, copy_layers: list[int] |
             draft.base_model.layers[i].load_state_dict(source[j].state_dict())
         except RuntimeError as e:
             raise SpecdraftError(f"--copy-layers: target layer {j} does not fit a Llama draft layer "
-                                 f"({str(e).splitlines()[0]})") from None
+                                 f"({first_line(e)})") from None
 
 
 def build_draft(target, shape: DraftShape, *, from_target: bool = False, copy_layers: list[int] | None = None,
@@ -319,7 +319,7 @@ def load_draft(path: str, target):
         draft = AutoModelForCausalLM.from_pretrained(str(folder), use_safetensors=True, dtype=torch.float32,
                                                      attn_implementation="sdpa")
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
-        raise SpecdraftError(f"could not load draft model {path}: {str(e).strip().splitlines()[0]}") from None
+        raise SpecdraftError(f"could not load draft model {path}: {first_line(e)}") from None
     check_vocab_size(draft.get_output_embeddings().weight.shape[0], str(path), target)
     meta_path = folder / SPECDRAFT_FILE
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
@@ -551,7 +551,7 @@ class Evaluator:
 
     def fields(self, sums: list[float], draft) -> dict:
         from ..bench.metrics import mbsu
-        from ..drafters.draft_model import parameter_count
+        from ..models import parameter_count
 
         ce, fkl, tv, agree, n = sums[: len(EVAL_STATS)]
         walks = [sums[len(EVAL_STATS) + 2 * i: len(EVAL_STATS) + 2 * i + 2] for i in range(self.gamma)]
@@ -882,7 +882,7 @@ def run(args) -> int:
         draft = build_draft(target, shape, from_target=args.init_from_target, copy_layers=copy_layers, seed=args.seed)
         init = {"from_target": bool(args.init_from_target or copy_layers), "copy_layers": copy_layers,
                 "seed": args.seed}
-    from ..drafters.draft_model import parameter_count
+    from ..models import parameter_count
 
     n_draft = parameter_count(draft)
     draft.to(target.device)
