@@ -193,3 +193,13 @@ def test_prompts_of_very_different_lengths_decode_as_alone(tiny_target):
     want = [reference(tiny_target, [p], params)[0] for p in prompts]
     engine = SpeculativeEngine(tiny_target, RandomBeamsDrafter(16, beam_width=2, beam_length=4, seed=1), max_tree_tokens=None)
     assert [r.token_ids for r in engine.generate(prompts, params)] == want
+
+
+def test_huge_max_new_tokens_sizes_the_cache_by_the_context(tiny_target):
+    """max_new_tokens far beyond the context must not size a cache of that many slots
+    (issue 17: 1e11 tried to allocate terabytes): rows stop at the context, "length"."""
+    prompt = [3, 4, 5, 6]
+    for drafter in (NoDrafter(), LookupDrafter()):
+        (result,) = SpeculativeEngine(tiny_target, drafter).generate([prompt], SamplingParams(max_new_tokens=10**11, ignore_eos=True))
+        assert result.finish_reason == "length"
+        assert len(prompt) + len(result.token_ids) == tiny_target.max_context

@@ -220,7 +220,10 @@ class SpeculativeEngine:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         rows = self._make_rows(prompts, params_list, ids if ids is not None else list(range(len(prompts))))
         device = self.target.device
-        capacity = max(len(p) for p in prompts) + max(p.max_new_tokens for p in params_list) + 64
+        # Slots: prompt + new tokens + tree slack, never beyond the context (rows stop there:
+        # _apply_stops; drafts are cut to it), so a huge max_new_tokens cannot size a huge cache.
+        capacity = min(max(len(p) for p in prompts) + max(p.max_new_tokens for p in params_list),
+                       self.target.max_context) + 64
         batch = Batch(rows=rows, cache=None, hidden=None, ctx=None, timer=StageTimer(device))
         with batch.timer("prefill"):
             batch.hidden, batch.cache = self._prefill(rows, capacity)
