@@ -93,10 +93,14 @@ def replace(argv: list, flag: str, value) -> list:
 # ---- regressions ------------------------------------------------------------------------------
 
 
-def test_max_new_tokens_is_bound_by_the_context(files):
-    rc, out, err = run(replace(commands(files)["generate"], "--max-new-tokens", "100000000000"))
+@pytest.mark.parametrize("command", ["generate", "distill", "bench"])
+def test_max_new_tokens_is_bound_by_the_context(files, command):
+    out_dir = files["root"] / f"context-{command}"
+    argv = replace(commands(files)[command], "--max-new-tokens", "100000000000")
+    rc, out, err = run(replace(argv, "--out", out_dir) if command != "generate" else argv)
     assert_one_line(rc, err, "--max-new-tokens", "context")
     assert out == ""
+    assert not (out_dir / "results.json").exists()  # bench: refused before any row was measured
 
 
 def test_default_max_new_tokens_is_capped_to_the_context(files):
@@ -191,7 +195,7 @@ WORK = {
     "bench": ["specdraft.bench.runner.run_bench", "specdraft.bench.verify_cost.run_verify_cost"],
     "sweep": ["specdraft.bench.sweep.run_sweep"],
     "train": ["specdraft.train.redrafter.run", "specdraft.train.draft.run"],
-    "export": ["specdraft.redrafter.export.export_trtllm"],
+    "export": ["specdraft.redrafter.export.export_trtllm", "specdraft.models.load_target"],
     "fit": ["specdraft.train.fit.run_fit"],
     "parity": ["specdraft.cli.load_engine"],
 }

@@ -220,6 +220,24 @@ def test_redrafter_beam_search_sampling_matches_exact_law(target, draft_vocab):
     assert steps < K, "drafts were never accepted: the case tests nothing"
 
 
+@pytest.mark.parametrize("beam_width", [1, 2], ids=["sampled-chain", "beam-search"])
+def test_draft_model_with_a_draft_vocabulary_matches_exact_law(target, tmp_path, beam_width):
+    """An independent draft model whose draft vocabulary leaves out tokens the target samples
+    (1 and 4): a sampled chain reports q (zero outside the vocabulary) for speculative
+    sampling, a beam search gives deterministic candidates for recursive rejection."""
+    from specdraft.drafters.draft_model import DraftModelDrafter
+    from specdraft.vocab import DraftVocab
+
+    draft = load_target(str(make_tiny_llama(tmp_path / "draft6", vocab_size=V, seed=2)), dtype="float32").model
+    vocab = DraftVocab(4, V)
+    vocab.set_ids(torch.tensor([0, 2, 3, 5]))
+    drafter_fn = lambda t: DraftModelDrafter(draft, gamma=3, beam_width=beam_width, vocab=vocab)  # noqa: E731
+    res, steps = sample_case(target, drafter_fn, SamplingParams(**T1), N_ROWS)
+    print(f"draft model, draft vocabulary, W={beam_width}: {res} steps/row={steps:.2f}")
+    assert res.p_value > ALPHA, res
+    assert steps < K, "drafts were never accepted: the case tests nothing"
+
+
 def test_mixed_batch_ragged_prompts_and_greedy_rows(target):
     """One batch mixing prompts of different lengths, sampling settings and greedy rows:
     each population must follow its own exact law; greedy rows match plain argmax."""

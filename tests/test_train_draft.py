@@ -275,6 +275,53 @@ def test_saved_draft_is_a_transformers_assistant_model(tiny_target_path, tiny_ta
     assert greedy(tiny_target, drafter) == greedy(tiny_target, NoDrafter())
 
 
+@pytest.mark.parametrize("tie", ["--tie-embeddings", "--no-tie-embeddings"])
+def test_a_draft_borrowing_the_targets_embeddings_stores_only_its_own_layers(tiny_target_path, tiny_target,
+                                                                              distilled, tmp_path, tie):
+    """--embeddings target: trained with the target's matrices frozen, saved without them,
+    loaded sharing the target's storage; --draft-vocab: drafts only over the N most frequent
+    answer tokens. Greedy output stays the target's."""
+    out = tmp_path / "borrow"
+    assert train(tiny_target_path, out, "--stage", "finetune", "--data", str(distilled), "--max-steps", "4",
+                 "--loss", "tvd", "--copy-layers", "1", "--layers", "1", tie, "--embeddings", "target",
+                 "--draft-vocab", "8", "--lr", "1e-2", "--save-dtype", "bfloat16") == 0
+    final = out / "final"
+    weights = load_file(final / "model.safetensors")
+    assert weights and not {"model.embed_tokens.weight", "lm_head.weight"} & set(weights)
+    meta = json.loads((final / "specdraft.json").read_text())
+    assert meta["embeddings"] == "target" and meta["draft_vocab"]["size"] == 8
+    assert meta["parameters"] == sum(w.numel() for w in weights.values())
+    evals = entries(out / "eval.jsonl")  # labels outside the vocabulary leave the CE, never make it NaN
+    assert evals and all(e["eval_ce"] == e["eval_ce"] and e["eval_ce"] < float("inf") for e in evals)
+    drafter = DraftModelDrafter.load(final, tiny_target, gamma=3)
+    model = drafter.draft.model
+    assert model.get_output_embeddings().weight.data_ptr() == tiny_target.head.weight.data_ptr()  # shared
+    if tie == "--no-tie-embeddings":
+        assert (model.get_input_embeddings().weight.data_ptr()
+                == tiny_target.model.get_input_embeddings().weight.data_ptr())
+    assert drafter.num_parameters == meta["parameters"]
+    logits = drafter._logits(torch.randn(5, tiny_target.hidden_size))
+    assert torch.equal(torch.isfinite(logits), drafter.vocab.t2d.expand(5, -1))  # only the 8 draft tokens
+    assert greedy(tiny_target, drafter) == greedy(tiny_target, NoDrafter())
+    # The layer trained (the run did something) while the borrowed matrices did not move.
+    trained, _ = load_draft(final, tiny_target)
+    layer = tiny_target.base.layers[1].mlp.down_proj.weight
+    assert not torch.allclose(trained.model.layers[0].mlp.down_proj.weight, layer.float(), atol=1e-3)
+    # `export hf`: a standalone folder (matrices written back) that transformers loads as is
+    # and uses as an assistant model; its logits are the borrowing draft's.
+    from transformers import AutoModelForCausalLM
+
+    assert cli.main(["export", "hf", "--drafter", str(final), "--target", str(tiny_target_path),
+                     "--out", str(tmp_path / "alone")]) == 0
+    alone = AutoModelForCausalLM.from_pretrained(str(tmp_path / "alone"))
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        assert torch.allclose(alone(ids).logits, trained(ids).logits, atol=1e-5)
+    target = AutoModelForCausalLM.from_pretrained(str(tiny_target_path))
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12, pad_token_id=0, eos_token_id=0)
+    assert torch.equal(target.generate(ids, **kw), target.generate(ids, assistant_model=alone, **kw))
+
+
 def test_refusals(tiny_target_path, distilled, tmp_path, capsys):
     nextk = tmp_path / "nextk.jsonl"
     nextk.write_text(json.dumps({"kind": "next-k", "prompt_id": "a", "input_ids": [1, 2], "positions": [0],

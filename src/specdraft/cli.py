@@ -245,9 +245,8 @@ def fit_to_context(args: argparse.Namespace, target) -> None:
     explicit value beyond it is an error (the KV cache is sized by it), the default is capped."""
     if args.max_new_tokens is None:
         args.max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, target.max_context)
-    elif args.max_new_tokens > target.max_context:
-        raise SpecdraftError(f"--max-new-tokens {args.max_new_tokens} exceeds the context of {target.name} "
-                             f"({target.max_context} tokens)")
+    else:
+        target.check_new_tokens(args.max_new_tokens)
 
 
 def read_prompts(args: argparse.Namespace) -> list[dict]:

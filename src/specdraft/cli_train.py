@@ -165,6 +165,13 @@ def add_train_draft(subparsers) -> None:
                    "onto their top principal directions when the draft is narrower)")
     g.add_argument("--copy-layers", metavar="I,J,...", help="start from these target layers (implies the target's "
                    "hidden and layer shape, and --init-from-target)")
+    g.add_argument("--embeddings", choices=("own", "target"), default="own",
+                   help="target: borrow the target's embedding matrices (frozen, not saved: the folder holds "
+                        "only the draft's own layers and loads beside the target; needs --copy-layers or "
+                        "--init-from-target at the target's hidden size) (default: %(default)s)")
+    g.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="draft over the N tokens most frequent among the training answers (saved with the "
+                        "draft; 0 = the whole vocabulary) (default: %(default)s)")
     g.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="dtype of the final folder's weights (training and checkpoints stay float32; bfloat16 "
                         "halves the file, e.g. to ship it) (default: %(default)s)")
@@ -277,6 +284,7 @@ def run_distill(args: argparse.Namespace) -> int:
                                         chunk=args.chunk, progress=not args.no_progress)
     else:
         engine = cli.load_engine(args)
+        engine.target.check_new_tokens(args.max_new_tokens)
         report = distill.DistillReport()
         prompts = distill.make_prompts(engine.target.tokenizer, _prompt_items(args), args.max_prompt_tokens, report)
         done = distill.distill_responses(engine, prompts, temps, args.out, max_new_tokens=args.max_new_tokens,

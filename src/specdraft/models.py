@@ -167,6 +167,13 @@ class Target:
         self.mask_by_layer_type = bool(layer_types)
         self.eos_ids = self._eos_ids()
 
+    def check_new_tokens(self, max_new_tokens: int, flag: str = "--max-new-tokens") -> None:
+        """One line if ``max_new_tokens`` alone exceeds the context: no prompt could leave room
+        for it (the engine would stop at the context anyway; this says so before any work)."""
+        if max_new_tokens > self.max_context:
+            raise SpecdraftError(f"{flag} {max_new_tokens} exceeds the context of {self.name} "
+                                 f"({self.max_context} tokens)")
+
     @property
     def device(self) -> torch.device:
         return self.head.weight.device
@@ -209,8 +216,14 @@ class Target:
         near = (positions[:, :, None] - key_pos[:, None, :]) < self.sliding_window
         return {"full_attention": mask, "sliding_attention": mask & near[:, None]}
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., d) -> (..., V) float32 logits, as the model's own causal-LM head computes them."""
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., d) -> (..., V) float32 logits, as the model's own causal-LM head computes them;
+        with ``rows`` (N,) token ids, only those N logits (a draft vocabulary's)."""
+        if rows is not None:
+            bias = getattr(self.head, "bias", None)
+            logits = torch.nn.functional.linear(hidden, self.head.weight[rows],
+                                                None if bias is None else bias[rows]).float()
+            return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
         with fastpath.active():
             logits = self.head(hidden).float()
         if self.softcap:

@@ -18,7 +18,6 @@ rows in every forward, so a per-request count would not be comparable.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -134,24 +133,18 @@ def build_peer(spec: str, target, beam_length: int | None = None, gamma: int | N
 def assisted_peer(spec: str, path: str, target, gamma: int | None) -> HFPeer:
     """hf-assisted:PATH with the draft model loaded (safetensors only) on the target's
     device and dtype, drafting a constant γ tokens per step."""
-    from transformers import AutoModelForCausalLM
-
-    from ..drafters.draft_model import DEFAULT_GAMMA
-    from ..models import parameter_count
+    from ..drafters.draft_model import DEFAULT_GAMMA, load_draft_folder, shared_parameters
     from ..drafters.registry import checkpoint_path
+    from ..models import parameter_count
 
     folder = Path(checkpoint_path(spec.partition(":")[0], path)).expanduser()
-    if not (folder / "config.json").is_file():
-        raise SpecdraftError(f"draft model folder not found or has no config.json: {path}")
-    gamma = gamma or json.loads((folder / "config.json").read_text()).get("gamma") or DEFAULT_GAMMA
-    try:
-        draft = AutoModelForCausalLM.from_pretrained(str(folder), dtype=target.dtype, use_safetensors=True)
-    except (OSError, ValueError) as e:
-        raise SpecdraftError(f"could not load draft model {path}: {first_line(e)}") from None
-    draft.to(target.device).eval()
+    # The same checks as draft:PATH; transformers drafts over the whole vocabulary, so a
+    # draft vocabulary in the folder is not used here (the peer reports its own τ).
+    draft, _, cfg, _ = load_draft_folder(folder, target, target.dtype)
+    gamma = gamma or cfg.get("gamma") or DEFAULT_GAMMA
     gc = draft.generation_config
     gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = int(gamma), "constant"
     gc.assistant_confidence_threshold = 0.0  # draft exactly γ tokens, as draft:PATH does
     info = {"gamma": int(gamma), "beam_width": 1, "beam_length": int(gamma) + 1,
-            "draft_params": parameter_count(draft), "target_params": parameter_count(target.model)}
+            "draft_params": parameter_count(draft) - shared_parameters(draft), "target_params": parameter_count(target.model)}
     return HFPeer(spec, target, {"assistant_model": draft}, batch1_only=True, info=info)

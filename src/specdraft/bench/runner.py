@@ -143,6 +143,7 @@ class Bench:
         if target is None:
             with quiet_loading():
                 target = load_target(cfg.target, cfg.device, cfg.resolved_dtype(), cfg.trust_remote_code)
+        target.check_new_tokens(cfg.max_new_tokens)
         self.target = target
         self.datasets: dict[str, tuple] = {}  # spec -> (prompts, first-turn ids)
         self.turn2: dict[tuple, list[int]] = {}  # (method, dataset, prompt index) -> turn-2 prompt ids

@@ -43,10 +43,14 @@ from ..checkpoint import WEIGHTS, read_config
 from ..errors import SpecdraftError, first_line
 from ..models import Target, parameter_count  # re-exported: tests and users import it here
 from ..sampling import make_generator, sample, target_probs
+from ..vocab import DraftVocab
 from .base import DraftContext, Drafter, Proposal, check_shapes
 
 DRAFT_SEED_OFFSET = 0x5EED_D7AF  # the draft's stream differs from the target's, same seed
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+SPECDRAFT_FILE = "specdraft.json"  # how the draft was made; "embeddings": "target" if it borrows them
+VOCAB_FILE = "draft_vocab.safetensors"  # d2t, t2d of a draft vocabulary (specdraft.vocab)
+EMBEDDING_KEYS = ("model.embed_tokens.weight", "lm_head.weight")  # absent when shared with the target
 DEFAULT_GAMMA = 4  # drafted tokens per step when neither --gamma nor the folder's config says
 
 
@@ -62,11 +66,16 @@ class DraftModelDrafter(Drafter):
     acceptance_prior = 0.6
 
     def __init__(self, model: torch.nn.Module, gamma: int = DEFAULT_GAMMA, beam_width: int = 1,
-                 tokenizer=None, name: str = "draft model"):
+                 tokenizer=None, name: str = "draft model", vocab: DraftVocab | None = None):
         check_shapes(beam_width=beam_width, gamma=gamma)
         self.draft = Target(model=model, tokenizer=tokenizer, name=name)
-        self.gamma, self.W = gamma, min(beam_width, self.draft.vocab_size)
-        self.num_parameters = parameter_count(model)
+        self.gamma, self.W = gamma, min(beam_width, vocab.size if vocab is not None else self.draft.vocab_size)
+        # Parameters the draft adds: embeddings shared with the target cost nothing.
+        self.num_parameters = parameter_count(model) - shared_parameters(model)
+        self.vocab = vocab
+        # With a draft vocabulary only its N rows of the output layer are ever multiplied.
+        self.rows = (model.get_output_embeddings().weight.detach()[vocab.ids()].clone()
+                     if vocab is not None else None)
         self.cache: CompactCache | None = None
         self.ids: torch.Tensor | None = None  # (B, C) token ids of the cached slots
         self.generators: list = []
@@ -77,20 +86,11 @@ class DraftModelDrafter(Drafter):
     @classmethod
     def load(cls, path: str | Path, target, gamma: int | None = None,
              beam_width: int | None = None) -> "DraftModelDrafter":
-        """Load a Hugging Face model folder (safetensors only) as a draft for ``target``."""
-        folder = Path(path).expanduser()
-        cfg = read_config(folder)
-        check_weights_file(folder)
-        if "vocab_size" in cfg:  # fail fast, before reading the weights
-            check_vocab_size(int(cfg["vocab_size"]), str(path), target)
-        tokenizer = load_tokenizer(folder)
-        if tokenizer is not None:
-            check_tokenizer(tokenizer, str(path), target)
-        model = load_model(folder, target)
-        check_vocab_size(model.get_output_embeddings().weight.shape[0], str(path), target)
+        """Load a draft model folder (``load_draft_folder``) as a draft for ``target``."""
+        model, tokenizer, cfg, vocab = load_draft_folder(path, target, target.dtype)
         # Shapes not given fall back to what `specdraft sweep` recorded in the config.
         return cls(model, gamma=gamma or cfg.get("gamma") or DEFAULT_GAMMA, beam_width=beam_width or cfg.get("beam_width") or 1,
-                   tokenizer=tokenizer if tokenizer is not None else target.tokenizer, name=str(path))
+                   tokenizer=tokenizer if tokenizer is not None else target.tokenizer, name=str(path), vocab=vocab)
 
     # ---- the drafter protocol -----------------------------------------------------------
 
@@ -195,7 +195,7 @@ class DraftModelDrafter(Drafter):
         hidden = self.draft.forward(new, keep[:, None] + steps, cache.attention_mask(mask), cache)
         cache.commit(steps.expand(B, N), n_new)
         self._record(keep, new)
-        return self.draft.logits(hidden[torch.arange(B, device=device), n_new - 1])
+        return self._logits(hidden[torch.arange(B, device=device), n_new - 1])
 
     def _draft_tree(self, logits: torch.Tensor, ctx: DraftContext, depth: int):
         """Draft ``depth`` levels of W beams from the root logits (B, V).
@@ -228,7 +228,7 @@ class DraftModelDrafter(Drafter):
             mask = torch.cat([past, ancestry], dim=2)[:, None]
             positions = (base + level - 1)[:, None].expand(B, W)
             hidden = self.draft.forward(paths[:, :, -1], positions, mask, cache)
-            level_logits = self.draft.logits(hidden)
+            level_logits = self._logits(hidden)
             tokens, parent, score, q_j = self._choose(level_logits, score, ctx, sampling)
             slots = torch.cat([slots, own.expand(B, W)[:, :, None]], dim=2)
             slots, paths, ancestry, confs = (x.gather(1, parent[:, :, None].expand(-1, -1, x.shape[2]))
@@ -266,6 +266,13 @@ class DraftModelDrafter(Drafter):
             q[idx] = q_rows
         zeros = torch.zeros(B, 1, dtype=torch.long, device=logits.device)
         return tokens[:, None], zeros, score, q
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., d) -> (..., V) float32 draft logits; with a draft vocabulary, -inf outside it
+        (an ordinary distribution over V that is zero there: acceptance stays exact)."""
+        if self.vocab is None:
+            return self.draft.logits(hidden)
+        return self.vocab.scatter(torch.nn.functional.linear(hidden, self.rows))
 
     def _reserve(self, columns: int) -> None:
         """Make ``ids`` at least ``columns`` wide."""
@@ -345,15 +352,120 @@ def check_tokenizer(tokenizer, name: str, target) -> None:
     raise SpecdraftError(f"draft model {name} has a different tokenizer from target {target.name}: {detail}")
 
 
-def load_model(folder: Path, target) -> torch.nn.Module:
+def read_meta(folder: Path) -> dict:
+    """The folder's ``specdraft.json`` (how the draft was made), or {}."""
+    import json
+
+    path = folder / SPECDRAFT_FILE
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise SpecdraftError(f"{path} is not readable JSON: {first_line(e)}") from None
+
+
+def load_draft_folder(path: str | Path, target, dtype: torch.dtype):
+    """(model, tokenizer or None, config dict, DraftVocab or None) of a draft model folder,
+    after every check (safetensors weights whole, the target's vocabulary and tokenizer),
+    on the target's device in ``dtype``. A folder whose ``specdraft.json`` says
+    ``"embeddings": "target"`` stores no embedding matrix: it borrows the target's (shared
+    in memory when the dtypes agree, ``share_target_embeddings``)."""
+    folder = Path(path).expanduser()
+    cfg = read_config(folder)
+    check_weights_file(folder)
+    if "vocab_size" in cfg:  # fail fast, before reading the weights
+        check_vocab_size(int(cfg["vocab_size"]), str(path), target)
+    tokenizer = load_tokenizer(folder)
+    if tokenizer is not None:
+        check_tokenizer(tokenizer, str(path), target)
+    borrowed = read_meta(folder).get("embeddings") == "target"
+    model = load_borrowing(folder, target, dtype) if borrowed else load_model(folder, target, dtype)
+    check_vocab_size(model.get_output_embeddings().weight.shape[0], str(path), target)
+    return model, tokenizer, cfg, load_vocab(folder, target)
+
+
+def load_model(folder: Path, target, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(folder), use_safetensors=True, dtype=target.dtype, attn_implementation="sdpa")
+            str(folder), use_safetensors=True, dtype=dtype, attn_implementation="sdpa")
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
         first = first_line(e)
         raise SpecdraftError(f"could not load draft model {folder}: {first}") from None
     model.to(target.device).eval()
     model.requires_grad_(False)
     return model
+
+
+def load_borrowing(folder: Path, target, dtype: torch.dtype) -> torch.nn.Module:
+    """A draft saved without its embedding matrices: built from its config, its own
+    weights loaded strictly (only the embedding keys may be missing), then the target's
+    output matrix put in place (``share_target_embeddings``)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(str(folder))
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        missing, unexpected = model.load_state_dict(load_file(str(folder / WEIGHTS)), strict=False)
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+        raise SpecdraftError(f"could not load draft model {folder}: {first_line(e)}") from None
+    wrong = sorted(set(missing) - set(EMBEDDING_KEYS)) + sorted(unexpected)
+    if wrong:
+        raise SpecdraftError(f"draft model {folder} borrows the target's embeddings but its other weights do not "
+                             f"fit its config ({len(wrong)} keys missing or unexpected, e.g. {wrong[0]})")
+    model.to(target.device).eval()
+    model.requires_grad_(False)
+    share_target_embeddings(model, target)
+    return model
+
+
+def share_target_embeddings(model: torch.nn.Module, target) -> None:
+    """Give the draft the target's embedding matrices: a tied draft takes the target's
+    output matrix for both roles, an untied one the input and output matrices. The same
+    storage when the dtypes agree (no memory), else a converted copy. The draft must have
+    been made with those matrices (``train.draft.init_from_target`` at the target's hidden
+    size), so this changes no value."""
+    mine_in, mine_out = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    tied = mine_in is mine_out
+    sources = [(mine_in, target.head.weight)] if tied else [
+        (mine_in, target.model.get_input_embeddings().weight), (mine_out, target.head.weight)]
+    for mine, theirs in sources:
+        if mine.shape != theirs.shape:
+            raise SpecdraftError(f"a draft borrowing the target's embeddings needs their shape "
+                                 f"{tuple(theirs.shape)}, has {tuple(mine.shape)}")
+        mine.data = theirs.detach().to(mine.device, mine.dtype)  # the Parameter object stays (ties hold)
+    model._specdraft_borrowed = True  # parameter counts leave the borrowed matrices out
+
+
+def shared_parameters(model: torch.nn.Module) -> int:
+    """How many of ``model``'s parameters are borrowed from another model (0 or the
+    embedding matrix): marked by ``share_target_embeddings``."""
+    if not getattr(model, "_specdraft_borrowed", False):
+        return 0
+    mine_in, mine_out = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    return mine_in.numel() + (0 if mine_in is mine_out else mine_out.numel())
+
+
+def load_vocab(folder: Path, target) -> DraftVocab | None:
+    """The folder's draft vocabulary (``VOCAB_FILE``), or None."""
+    path = folder / VOCAB_FILE
+    if not path.is_file():
+        return None
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(path))
+        vocab = DraftVocab(int(tensors["d2t"].shape[0]), int(tensors["t2d"].shape[0]))
+        vocab.load_state_dict(tensors)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise SpecdraftError(f"{path} is not a draft vocabulary: {first_line(e)}") from None
+    if vocab.t2d.shape[0] != target.vocab_size or int(vocab.t2d.sum()) != vocab.size:
+        raise SpecdraftError(f"{path} does not fit target {target.name}'s vocabulary of {target.vocab_size}")
+    return vocab.to(target.device)
+
+
+def save_vocab(vocab: DraftVocab, folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous().cpu() for k, v in vocab.state_dict().items()}, str(folder / VOCAB_FILE))

@@ -49,12 +49,16 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from functools import partial
+
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..data.chat import IGNORE
 from ..errors import SpecdraftError, first_line
+from ..drafters.draft_model import save_vocab
 from .common import (HeldOut, JsonLog, LoopOptions, finish_run, Plan, TrainState, cosine_schedule, describe,
                      make_accelerator, reduced_sums, train_loop)
 from .examples import Example
@@ -62,7 +66,6 @@ from .losses import forward_kl, iid_block_efficiency, kd_loss, log_probs, total_
 from .walk import greedy_walk, labelled_spans, streaks
 
 STAGES = ("pretrain", "finetune")
-SPECDRAFT_FILE = "specdraft.json"
 EVAL_LOG = "eval.jsonl"
 MAX_DEFAULT_HIDDEN = 1024
 DEFAULT_LAYERS = 4
@@ -301,29 +304,42 @@ def build_draft(target, shape: DraftShape, *, from_target: bool = False, copy_la
 
 def load_draft(path: str, target):
     """A draft model folder (e.g. the pretrain stage's OUT/final) as a float32 model, after
-    the same checks as ``--drafter draft:PATH``; and its ``specdraft.json`` (or {})."""
-    from transformers import AutoModelForCausalLM
+    the same checks as ``--drafter draft:PATH`` (``drafters.draft_model.load_draft_folder``);
+    and its ``specdraft.json`` (or {})."""
+    from ..drafters.draft_model import load_draft_folder, read_meta
 
-    from ..checkpoint import read_config
-    from ..drafters.draft_model import check_tokenizer, check_vocab_size, check_weights_file, load_tokenizer
+    draft, _, _, _ = load_draft_folder(path, target, torch.float32)
+    draft.requires_grad_(True)  # loaded frozen, for drafting; borrowed matrices are frozen again by run
+    return draft, read_meta(Path(path).expanduser())
 
-    folder = Path(path).expanduser()
-    cfg = read_config(folder)
-    check_weights_file(folder)
-    if "vocab_size" in cfg:
-        check_vocab_size(int(cfg["vocab_size"]), str(path), target)
-    tokenizer = load_tokenizer(folder)
-    if tokenizer is not None:
-        check_tokenizer(tokenizer, str(path), target)
-    try:
-        draft = AutoModelForCausalLM.from_pretrained(str(folder), use_safetensors=True, dtype=torch.float32,
-                                                     attn_implementation="sdpa")
-    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
-        raise SpecdraftError(f"could not load draft model {path}: {first_line(e)}") from None
-    check_vocab_size(draft.get_output_embeddings().weight.shape[0], str(path), target)
-    meta_path = folder / SPECDRAFT_FILE
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    return draft, meta
+
+def borrow_embeddings(draft, target, facts: TargetFacts) -> None:
+    """Make the draft's embedding matrices the target's (frozen; left out of saved weights):
+    the draft then trains and stores only its own layers and norms."""
+    from ..drafters.draft_model import share_target_embeddings
+
+    if draft.config.hidden_size != facts.hidden:
+        raise SpecdraftError(f"--embeddings target needs the target's hidden size ({facts.hidden}), "
+                             f"the draft has {draft.config.hidden_size}")
+    share_target_embeddings(draft, target)
+    draft.get_input_embeddings().weight.requires_grad_(False)
+    draft.get_output_embeddings().weight.requires_grad_(False)
+
+
+def answer_vocabulary(train, target, size: int):
+    """(DraftVocab of the ``size`` tokens most frequent among the training labels, the
+    share of those labels it covers)."""
+    from ..vocab import DraftVocab
+
+    if size > target.vocab_size:
+        raise SpecdraftError(f"--draft-vocab {size} exceeds the target's vocabulary ({target.vocab_size})")
+    counts = torch.zeros(target.vocab_size, dtype=torch.long)
+    for i in range(len(train)):
+        labels = torch.tensor(train[i].labels[1:], dtype=torch.long)
+        labels = labels[labels != IGNORE]
+        counts += torch.bincount(labels, minlength=target.vocab_size)
+    vocab = DraftVocab.from_counts(counts, size)
+    return vocab, round(vocab.coverage(counts), 4)
 
 
 def shape_of(draft) -> DraftShape:
@@ -339,8 +355,15 @@ def shape_of(draft) -> DraftShape:
 def save_draft(draft, tokenizer, folder: Path, meta: dict, dtype: str = "float32") -> Path:
     """A Hugging Face folder: config.json, model.safetensors (in ``dtype``; the config's
     dtype says so, and loaders upcast as they like), generation_config.json, the tokenizer
-    files, and ``specdraft.json`` (``meta``). ``draft`` itself is left unchanged."""
+    files, and ``specdraft.json`` (``meta``). With ``meta["embeddings"] == "target"`` the
+    embedding matrix (borrowed from the target) is left out of the weights. ``draft`` itself
+    is left unchanged."""
     import copy
+
+    from safetensors.torch import save_file
+
+    from ..checkpoint import WEIGHTS
+    from ..drafters.draft_model import EMBEDDING_KEYS, SPECDRAFT_FILE
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -350,10 +373,26 @@ def save_draft(draft, tokenizer, folder: Path, meta: dict, dtype: str = "float32
         draft = copy.deepcopy(draft).to(getattr(torch, dtype))  # a copy: the caller may keep training
     draft.config.architectures = [type(draft).__name__]
     with quiet_loading():
-        draft.save_pretrained(str(folder), safe_serialization=True)
+        if meta.get("embeddings") == "target":
+            draft.config.save_pretrained(str(folder))
+            draft.generation_config.save_pretrained(str(folder))
+            own = {k: v.contiguous() for k, v in draft.state_dict().items() if k not in EMBEDDING_KEYS}
+            save_file(own, str(folder / WEIGHTS), metadata={"format": "pt"})
+        else:
+            draft.save_pretrained(str(folder), safe_serialization=True)
         tokenizer.save_pretrained(str(folder))
     (folder / SPECDRAFT_FILE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
     return folder
+
+
+def standalone_draft(path: str | Path, out: str | Path, target) -> Path:
+    """Write the draft at ``path`` to ``out`` as a self-contained Hugging Face folder in
+    float32: borrowed embedding matrices written back, no draft vocabulary (transformers and
+    vLLM draft over the whole vocabulary). Its outputs equal the borrowing draft's over the
+    full vocabulary (tested)."""
+    draft, meta = load_draft(path, target)
+    meta = {**meta, "embeddings": "own", "exported_from": str(path)}
+    return save_draft(draft, target.tokenizer, Path(out), meta, dtype="float32")
 
 
 # ---- batches of trained positions --------------------------------------------------------
@@ -420,12 +459,17 @@ class DraftObjective(nn.Module):
     nor checkpointed."""
 
     def __init__(self, draft: nn.Module, stage: str, loss: str = "tvdpp", variant: str = "exact", samples: int = 4,
-                 temperature: float = 1.0, chunk: int = 1024, target_logits=None):
+                 temperature: float = 1.0, chunk: int = 1024, target_logits=None, vocab=None):
         super().__init__()
         self.draft = draft
         self.stage, self.loss_name, self.variant, self.samples = stage, loss, variant, samples
         self.temperature, self.chunk = temperature, chunk
-        self.target_logits = target_logits
+        # With a draft vocabulary (N tokens) both sides are scored over it alone: q and the
+        # target's p renormalised there (N-wide output layers, the cost that dominates a
+        # small draft's step); labels outside it leave the cross-entropy.
+        self.target_logits = target_logits if vocab is None else partial(target_logits, rows=vocab.ids())
+        self.rows = None if vocab is None else vocab.ids()  # plain tensors: not state, not synced
+        self.to_draft = None if vocab is None else vocab.to_draft
 
     def forward(self, input_ids, attention_mask, rows, cols, labels, target_hidden, denom):
         """Loss (sum over trained positions / denom) and stats (len(STATS),) sums."""
@@ -450,22 +494,27 @@ class DraftObjective(nn.Module):
         return loss / denom[0], stats
 
     def _chunk(self, h, y, target_hidden):
-        logits = self.draft.get_output_embeddings()(h).float()
+        head = self.draft.get_output_embeddings()
+        logits = (head(h) if self.rows is None else F.linear(h, head.weight[self.rows])).float()
+        n = y.new_tensor(float(len(y)), dtype=torch.float32)
+        if self.to_draft is not None:  # labels in draft ids; outside the vocabulary: no CE term
+            y = self.to_draft(y)
+        inside = y >= 0
         if self.stage == "pretrain":
             logq = log_probs(logits)
-            ce = -logq.gather(-1, y[:, None])[:, 0]
+            ce = torch.where(inside, -logq.gather(-1, y.clamp(min=0)[:, None])[:, 0], 0.0)
             with torch.no_grad():
                 stats = torch.stack([ce.sum().detach(), ce.sum().detach(), ce.new_zeros(()),
-                                     (logq.argmax(-1) == y).sum().float(), ce.new_tensor(float(len(y)))])
+                                     (logq.argmax(-1) == y).sum().float(), n])
             return ce.sum(), stats
         with torch.no_grad():
             logp = log_probs(self.target_logits(target_hidden), self.temperature)
         logq = log_probs(logits, self.temperature)
         per = kd_loss(self.loss_name, logp, logq, self.variant, self.samples)
         with torch.no_grad():
-            ce = -logq.gather(-1, y[:, None])[:, 0]
+            ce = torch.where(inside, -logq.gather(-1, y.clamp(min=0)[:, None])[:, 0], 0.0)
             stats = torch.stack([per.sum().detach(), ce.sum(), total_variation(logp, logq).sum(),
-                                 (logp.argmax(-1) == logq.argmax(-1)).sum().float(), ce.new_tensor(float(len(y)))])
+                                 (logp.argmax(-1) == logq.argmax(-1)).sum().float(), n])
         return per.sum(), stats
 
 
@@ -504,8 +553,8 @@ class Evaluator:
     Each process takes every num_processes-th example; the sums are reduced."""
 
     def __init__(self, examples: list[Example], target, *, batch_size: int, chunk: int, gamma: int,
-                 target_parameters: int):
-        self.examples, self.target = examples, target
+                 target_parameters: int, vocab=None):
+        self.examples, self.target, self.vocab = examples, target, vocab
         self.batch_size, self.chunk, self.gamma = batch_size, chunk, gamma
         self.target_parameters = target_parameters
 
@@ -529,11 +578,18 @@ class Evaluator:
             for s in range(0, len(rows), self.chunk):
                 r, c, yy = rows[s: s + self.chunk], cols[s: s + self.chunk], y[s: s + self.chunk]
                 logp = log_probs(self.target.logits(th[r, c]))
-                logq = log_probs(draft.get_output_embeddings()(dh[r, c].to(draft.dtype)))
+                logits = draft.get_output_embeddings()(dh[r, c].to(draft.dtype))
+                fkl = forward_kl(logp, log_probs(logits))
+                if self.vocab is not None:  # what the drafter proposes from: zero outside the vocabulary
+                    ids = self.vocab.ids()
+                    fkl = forward_kl(log_probs(logp[..., ids]), log_probs(logits[..., ids]))  # p renormalised there
+                    logits = self.vocab.scatter(logits[..., ids])
+                    yy = torch.where(self.vocab.t2d[yy], yy, -1)  # no CE term outside the vocabulary
+                logq = log_probs(logits)
                 agree = logp.argmax(-1) == logq.argmax(-1)
                 right[r.cpu(), c.cpu()] = agree.cpu()
-                totals += torch.tensor([-logq.gather(-1, yy[:, None]).sum().item(),
-                                        forward_kl(logp, logq).sum().item(),
+                ce = torch.where(yy >= 0, -logq.gather(-1, yy.clamp(min=0)[:, None])[:, 0], 0.0)
+                totals += torch.tensor([ce.sum().item(), fkl.sum().item(),
                                         total_variation(logp, logq).sum().item(),
                                         agree.sum().item(), float(len(yy))],
                                        dtype=torch.float64)
@@ -551,6 +607,7 @@ class Evaluator:
 
     def fields(self, sums: list[float], draft) -> dict:
         from ..bench.metrics import mbsu
+        from ..drafters.draft_model import shared_parameters
         from ..models import parameter_count
 
         ce, fkl, tv, agree, n = sums[: len(EVAL_STATS)]
@@ -562,7 +619,7 @@ class Evaluator:
         return {"eval_ce": round(ce / n, 4), "eval_fkl": round(fkl / n, 4), "eval_tv": round(tv / n, 4),
                 "eval_accept": round(alpha, 4), "eval_greedy_accept": round(greedy, 4),
                 "eval_tau": round(tau, 4), "eval_tau_greedy": round(iid_block_efficiency(greedy, self.gamma), 4),
-                "eval_mbsu": round(mbsu(tau, self.gamma, parameter_count(draft), self.target_parameters), 4),
+                "eval_mbsu": round(mbsu(tau, self.gamma, parameter_count(draft) - shared_parameters(draft), self.target_parameters), 4),
                 "eval_positions": int(n),
                 **{f"eval_tau_walk_g{g}": round(tokens / max(steps, 1.0), 4) for g, (tokens, steps) in enumerate(walks, 1)}}
 
@@ -836,6 +893,11 @@ def check_args(args) -> None:
     if args.draft and (shape_given or args.init_from_target or args.copy_layers):
         raise SpecdraftError("--draft PATH continues an existing draft: its shape and weights are given; drop "
                              "--layers/--hidden/--heads/--kv-heads/--intermediate/--init-from-target/--copy-layers")
+    if args.draft_vocab < 0:
+        raise SpecdraftError(f"--draft-vocab must be >= 0, got {args.draft_vocab}")
+    if args.embeddings == "target" and not args.draft and not (args.copy_layers or args.init_from_target):
+        raise SpecdraftError("--embeddings target needs --copy-layers or --init-from-target (the draft starts "
+                             "from the target's matrix)")
     if args.stage == "pretrain" and args.hidden_cache:
         raise SpecdraftError("--hidden-cache is for --stage finetune (pretraining never runs the target)")
     if args.on_policy and (args.stage != "finetune" or args.hidden_cache):
@@ -882,9 +944,14 @@ def run(args) -> int:
         draft = build_draft(target, shape, from_target=args.init_from_target, copy_layers=copy_layers, seed=args.seed)
         init = {"from_target": bool(args.init_from_target or copy_layers), "copy_layers": copy_layers,
                 "seed": args.seed}
+    borrow = args.embeddings == "target" or (args.draft and meta.get("embeddings") == "target")
+    if borrow:
+        borrow_embeddings(draft, target, facts)
+    vocab, vocab_coverage = answer_vocabulary(train, target, args.draft_vocab) if args.draft_vocab else (None, None)
+    from ..drafters.draft_model import shared_parameters
     from ..models import parameter_count
 
-    n_draft = parameter_count(draft)
+    n_draft = parameter_count(draft) - shared_parameters(draft)
     draft.to(target.device)
 
     plan = Plan(len(train), args.batch_size, args.grad_accum, accelerator.num_processes, args.epochs,
@@ -893,8 +960,9 @@ def run(args) -> int:
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.stage]
     loss_name = "ce" if args.stage == "pretrain" else args.loss
     model = DraftObjective(draft, args.stage, loss_name, args.tvdpp_variant, args.tvdpp_samples, args.temperature,
-                           args.loss_chunk, target_logits=target.logits)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay)
+                           args.loss_chunk, target_logits=target.logits, vocab=vocab)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                  weight_decay=args.weight_decay)
     scheduler = cosine_schedule(optimizer, plan.total_steps, args.warmup)
     model, optimizer = accelerator.prepare(model, optimizer)
     signature = {**plan.signature(), "data": train.fingerprint(), "stage": args.stage, "seq_len": args.seq_len,
@@ -902,7 +970,7 @@ def run(args) -> int:
                  "samples": args.tvdpp_samples if loss_name == "tvdpp" and args.tvdpp_variant == "sampled" else None,
                  "temperature": args.temperature, "epochs": args.epochs, "max_steps": args.max_steps, "lr": lr,
                  "on_policy": args.on_policy_tokens if args.on_policy else 0,
-                 "target": args.target, "shape": asdict(shape), "init": init}
+                 "target": args.target, "shape": asdict(shape), "init": init, "embeddings": "target" if borrow else "own"}
     state = TrainState(signature)
     accelerator.register_for_checkpointing(scheduler, state)
     if resume_from is not None:
@@ -910,7 +978,7 @@ def run(args) -> int:
     cache = open_hidden_cache(args, accelerator, target, train) if args.stage == "finetune" else None
 
     evaluator = Evaluator(held, target, batch_size=args.batch_size, chunk=args.loss_chunk, gamma=args.gamma,
-                          target_parameters=facts.parameters) if held else None
+                          target_parameters=facts.parameters, vocab=vocab) if held else None
     eval_log = JsonLog(out, state.step, main, name=EVAL_LOG)  # evaluations, trimmed on resume like the log
     held_out = None
     if evaluator is not None:
@@ -927,6 +995,12 @@ def run(args) -> int:
         (out / "train_args.json").write_text(json.dumps(record, indent=2, default=str))
         where = f", resuming at step {state.step}" if resume_from is not None else ""
         print(f"specdraft: draft model: {shape.summary(facts.vocab, facts.parameters)} ({how})", file=sys.stderr)
+        if borrow:
+            print(f"specdraft: embeddings borrowed from the target: {n_draft / 1e6:.2f}M parameters of its own "
+                  f"({100 * n_draft / facts.parameters:.2f}% of the target)", file=sys.stderr)
+        if vocab is not None:
+            print(f"specdraft: draft vocabulary of {vocab.size} tokens: {100 * vocab_coverage:.1f}% of the "
+                  f"training answer tokens", file=sys.stderr)
         print(f"specdraft: {args.stage} ({loss_name}{'/' + args.tvdpp_variant if loss_name == 'tvdpp' else ''}) "
               f"on {len(train)} sequences, {len(held)} held out, {plan.total_steps} steps{where}", file=sys.stderr)
     if resume_from is None and held_out is not None:
@@ -949,11 +1023,15 @@ def run(args) -> int:
                  "steps": state.step, "tokens": state.tokens, "options": record["options"], "argv": record["argv"],
                  "eval": last}
         meta = {"format": 1, "kind": "draft-model", "target": target_signature(target),
+                "embeddings": "target" if borrow else "own",
+                "draft_vocab": {"size": vocab.size, "coverage": vocab_coverage} if vocab is not None else None,
                 "target_parameters": facts.parameters, "parameters": n_draft,
                 "fraction": round(n_draft / facts.parameters, 5), "shape": asdict(shape), "init": init,
                 "stages": history + [stage]}
         final = save_draft(accelerator.unwrap_model(model).draft, target.tokenizer, out / "final", meta,
                            dtype=args.save_dtype)
+        if vocab is not None:
+            save_vocab(vocab, final)
         return final, "draft"
 
     return finish_run(accelerator, main, finished, state, plan, save)
