@@ -97,14 +97,18 @@ def test_greedy_parity_batch4(smol, cases, name):
         check(smol, trimmed, results)
 
 
-def test_shipped_draft_is_a_transformers_assistant_model(smol, cases):
-    """The shipped draft model loads unchanged as transformers' ``assistant_model`` and its
-    assisted greedy decoding gives generate()'s tokens (up to numerical ties)."""
+def test_shipped_draft_is_a_transformers_assistant_model(smol, cases, tmp_path):
+    """The shipped draft model, as `specdraft export hf` writes it (a standalone folder: the
+    target's embedding matrices written back if it borrows them), loads in plain transformers
+    as ``assistant_model`` and its assisted greedy decoding gives generate()'s tokens (up to
+    numerical ties)."""
     from transformers import AutoModelForCausalLM
 
     from specdraft.assets import shipped
+    from specdraft.train.draft import standalone_draft
 
-    assistant = AutoModelForCausalLM.from_pretrained(str(shipped("draft")), dtype=smol.model.dtype)
+    folder = standalone_draft(shipped("draft"), tmp_path / "draft", smol)
+    assistant = AutoModelForCausalLM.from_pretrained(str(folder), dtype=smol.model.dtype)
     assert assistant.config.vocab_size == smol.vocab_size
     ties = []
     for prompt, ref in cases[:3]:
