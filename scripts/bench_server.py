@@ -95,11 +95,7 @@ class Server:
 
 
 def serve_command() -> list[str]:
-    from specdraft.cli import SUBCOMMANDS
-
-    if "serve" in SUBCOMMANDS:
-        return [sys.executable, "-m", "specdraft", "serve"]
-    return [sys.executable, "-m", "specdraft.cli_serve"]
+    return [sys.executable, "-m", "specdraft", "serve"]
 
 
 def send(url: str, args, prompt: str) -> dict:

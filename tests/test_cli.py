@@ -272,7 +272,7 @@ def test_keyboard_interrupt_exits_130_quietly(tiny_target_path, monkeypatch, cap
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("specdraft.cli.load_engine", interrupted)
+    monkeypatch.setattr("specdraft.build.build_engine", interrupted)
     assert generate(tiny_target_path, "--prompt", SHORT) == 130
     assert "Traceback" not in capsys.readouterr().err
 

@@ -169,7 +169,7 @@ def test_unexpected_errors_are_one_line_and_the_traceback_is_opt_in(files, monke
     def bug(args):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr("specdraft.cli.load_engine", bug)
+    monkeypatch.setattr("specdraft.build.build_engine", bug)
     rc, _, err = run(commands(files)["generate"])
     assert_one_line(rc, err, "ZeroDivisionError", "--debug", code=1)
     rc, _, err = run(["--debug"] + commands(files)["generate"])
@@ -190,14 +190,14 @@ def test_the_real_command_prints_one_line(files):
 
 # Where each subcommand's work starts: stubbed with SystemExit(0), meaning "every check passed".
 WORK = {
-    "serve": ["specdraft.cli.load_engine"],
-    "distill": ["specdraft.cli.load_engine", "specdraft.models.load_target"],
+    "serve": ["specdraft.build.build_engine"],
+    "distill": ["specdraft.build.build_engine", "specdraft.models.load_target"],
     "bench": ["specdraft.bench.runner.run_bench", "specdraft.bench.verify_cost.run_verify_cost"],
     "sweep": ["specdraft.bench.sweep.run_sweep"],
     "train": ["specdraft.train.redrafter.run", "specdraft.train.draft.run"],
     "export": ["specdraft.redrafter.export.export_trtllm", "specdraft.models.load_target"],
     "fit": ["specdraft.train.fit.run_fit"],
-    "parity": ["specdraft.cli.load_engine"],
+    "parity": ["specdraft.build.build_engine"],
 }
 
 

@@ -184,7 +184,7 @@ class MatmulLog(TorchDispatchMode):
 def linear_calls(target, n: int) -> list:
     """The matrix products of the linears of one engine forward of n tree tokens (after a
     5-token cache), logits included; attention's own products are left out."""
-    from specdraft.bench.verify_cost import prefill
+    from specdraft.timing import prefill
 
     cache = prefill(target, 5, 16)
     ids = torch.arange(1, n + 1)[None]
@@ -229,7 +229,7 @@ def test_engine_greedy_with_padded_rows_matches_generate(tiny_target):
 def test_bf16_tree_rows_equal_one_token_steps(tiny_target_path, monkeypatch):
     """In bfloat16, a verify forward of a 6-token chain gives, row by row, bitwise the logits
     of six one-token forwards (tree queries run in SDPA calls of QUERY_CHUNK rows)."""
-    from specdraft.bench.verify_cost import prefill
+    from specdraft.timing import prefill
 
     target = load_target(str(tiny_target_path), dtype="bfloat16")
     calls = []

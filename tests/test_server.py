@@ -532,17 +532,13 @@ def test_bounded_load(live, tiny_target):
 
 
 def serve_command() -> list[str]:
-    from specdraft.cli import SUBCOMMANDS
-
-    if "serve" in SUBCOMMANDS:
-        return [sys.executable, "-m", "specdraft", "serve"]
-    return [sys.executable, "-m", "specdraft.cli_serve"]
+    return [sys.executable, "-m", "specdraft", "serve"]
 
 
 def test_bad_option_is_one_error_line(capsys):
-    from specdraft.cli_serve import main
+    from specdraft.cli import main
 
-    assert main(["--max-batch-size", "0"]) == 2
+    assert main(["serve", "--max-batch-size", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--max-batch-size" in err[0]
 

@@ -128,7 +128,7 @@ def cost_model_path(target) -> Path:
 def measure_cost_model(target, tokens=COST_TOKENS, prefix: int = COST_PREFIX, trials: int = 3) -> CostModel:
     """Time the target (a few seconds) with ``bench --verify-cost``'s code: the curve at
     ``prefix`` cached tokens, and a few points at a longer prefix for the attention term."""
-    from .bench.verify_cost import measure_verify_cost
+    from .timing import measure_verify_cost
 
     prefix = max(1, min(prefix, target.max_context // 4))  # small test models have short contexts
     room = target.max_context - prefix

@@ -11,9 +11,12 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import shutil
+import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -241,6 +244,26 @@ class Target:
                 ids = ids["input_ids"]
             return list(ids)
         return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
+@contextmanager
+def quiet_loading() -> Iterator[None]:
+    """Silence transformers' progress bars and warnings while loading, unless stderr is a
+    terminal: in pipes and logs they would bury the stats and error lines."""
+    if sys.stderr.isatty():
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def load_target(spec: str = "default", device: str = "cpu", dtype: str = "auto",

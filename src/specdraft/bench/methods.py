@@ -8,14 +8,12 @@ and accepted-length histogram, and the engine's stage seconds (engine methods on
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-import torch
-
 from ..sampling import SamplingParams
+from ..timing import synchronize
 from .metrics import batch_stages
 
 
@@ -54,12 +52,6 @@ class Method(ABC):
     @abstractmethod
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> BatchOutcome:
         """Decode ``prompts`` (one batch), timed."""
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued GPU work, so that wall-clock times cover it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 class EngineMethod(Method):

@@ -26,7 +26,8 @@ import torch
 from ..drafters.lookup import DEFAULT_MAX_NGRAM, LookupDrafter
 from ..errors import SpecdraftError, first_line
 from ..sampling import SamplingParams
-from .methods import BatchOutcome, Method, PromptOutcome, synchronize
+from ..timing import synchronize
+from .methods import BatchOutcome, Method, PromptOutcome
 
 class ForwardCounter:
     """Counts calls of a module's forward while active (a context manager)."""

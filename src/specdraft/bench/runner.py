@@ -135,8 +135,7 @@ class Bench:
     """One benchmark run: the loaded target, its methods, and the results so far."""
 
     def __init__(self, cfg: BenchConfig, target=None):
-        from ..cli import quiet_loading
-        from ..models import load_target
+        from ..models import load_target, quiet_loading
 
         cfg.validate()
         self.cfg = cfg
@@ -187,7 +186,7 @@ class Bench:
 
     def build(self, spec: str, warm_prompt: list[int]) -> Method:
         """The method named ``spec``, built and warmed up (untimed)."""
-        from ..cli import quiet_loading
+        from ..models import quiet_loading
 
         cfg = self.cfg
         with quiet_loading():

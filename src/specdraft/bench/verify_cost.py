@@ -1,12 +1,6 @@
 """``specdraft bench --verify-cost``: what one target forward costs against the number of
-tree tokens it verifies.
-
-With P cached tokens (a prompt of a few hundred tokens), the target runs N new tokens
-(N = 1 ... 256) at positions P ... P + N - 1 under a chain mask, plus the logits head:
-exactly the engine's "verify" stage for a tree of N tokens (an attention mask's
-sparsity does not change SDPA's cost, so a chain stands for any tree). The cache is
-not committed, so every trial overwrites the same slots. The ratio cost(N) / cost(1)
-is how much drafting N - 1 tokens per step may cost before speculation stops paying.
+tree tokens it verifies (the measurement itself: ``specdraft.timing``), written as
+verify_cost.json, a table and a plot.
 
 The target may be a real model or one built from a config with random weights
 (``llama-1b``, ``llama-7b``, or a config.json): timing does not depend on the weights.
@@ -14,16 +8,11 @@ The target may be a real model or one built from a config with random weights
 
 from __future__ import annotations
 
-import statistics
-import time
 from pathlib import Path
 
-import torch
-
-from ..cache import CompactCache
 from ..errors import SpecdraftError
 from ..models import Target, parse_device, parse_dtype
-from .methods import synchronize
+from ..timing import measure_verify_cost
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -56,61 +45,6 @@ def random_target(spec: str, device: str, dtype: str) -> Target:
         model = AutoModelForCausalLM.from_config(config, dtype=dt, attn_implementation="sdpa")
     model.eval().requires_grad_(False)
     return Target(model=model, tokenizer=None, name=f"random {spec}")
-
-
-def time_forward(target: Target, cache: CompactCache, n: int, prefix: int, trials: int, warmup: int) -> list[float]:
-    """Seconds of `trials` forwards (+ logits) of n chain tokens after the cached prefix."""
-    device = target.device
-    ids = torch.randint(target.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
-    positions = (prefix + torch.arange(n, device=device))[None]
-    chain = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None]
-    mask = cache.attention_mask(chain)
-    times = []
-    with torch.no_grad():
-        for i in range(warmup + trials):
-            synchronize(device)
-            start = time.perf_counter()
-            target.logits(target.forward(ids, positions, mask, cache))
-            synchronize(device)
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
-    return times
-
-
-def prefill(target: Target, prefix: int, capacity: int) -> CompactCache:
-    """A cache holding ``prefix`` random tokens, committed."""
-    device = target.device
-    cache = CompactCache(target.num_layers, 1, capacity, device)
-    ids = torch.randint(target.vocab_size, (1, prefix), generator=torch.Generator().manual_seed(0)).to(device)
-    pos = torch.arange(prefix, device=device)
-    causal = (pos[:, None] >= pos[None, :])[None, None]
-    with torch.no_grad():
-        target.forward(ids, pos[None], causal, cache)
-    cache.commit(pos[None], torch.tensor([prefix], device=device))
-    return cache
-
-
-def measure_verify_cost(target: Target, tokens: list[int], prefix: int = 256, trials: int = 10,
-                        warmup: int = 2, progress: bool = True) -> list[dict]:
-    """One row per N: median / min / max milliseconds and the ratio to N = 1."""
-    from tqdm.auto import tqdm
-
-    if not tokens or min(tokens) < 1:
-        raise SpecdraftError("--verify-tokens must be integers >= 1")
-    if prefix < 1 or prefix + max(tokens) > target.max_context:
-        raise SpecdraftError(f"--verify-prefix {prefix} + {max(tokens)} tree tokens must fit the target's "
-                             f"context ({target.max_context})")
-    cache = prefill(target, prefix, prefix + max(tokens) + 8)
-    rows = []
-    for n in tqdm(sorted(set(tokens)), desc="verify cost", unit="N", disable=not progress):
-        times = time_forward(target, cache, n, prefix, trials, warmup)
-        rows.append({"tree_tokens": n, "ms_median": 1000 * statistics.median(times),
-                     "ms_min": 1000 * min(times), "ms_max": 1000 * max(times), "trials": trials})
-    base = rows[0]["ms_median"] if rows[0]["tree_tokens"] == 1 else None
-    for r in rows:
-        r["relative_to_one_token"] = r["ms_median"] / base if base else None
-        r["ms_per_token"] = r["ms_median"] / r["tree_tokens"]
-    return rows
 
 
 MONOTONE_TOLERANCE = 0.02  # timing noise: 2-token forwards run 1-token ones' very kernels (fastpath)
@@ -167,8 +101,7 @@ def plot_verify_cost(result: dict, path: Path) -> None:
 def run_verify_cost(cfg, tokens: list[int], prefix: int, trials: int, random_spec: str | None = None,
                     target=None) -> dict:
     """Measure and write verify_cost.json, verify_cost.md and verify_cost.png to cfg.out."""
-    from ..cli import quiet_loading
-    from ..models import load_target
+    from ..models import load_target, quiet_loading
     from .runner import environment
     from .store import write_json_atomic
 

@@ -364,11 +364,10 @@ def save_draft(draft, tokenizer, folder: Path, meta: dict, dtype: str = "float32
 
     from ..checkpoint import WEIGHTS
     from ..drafters.draft_model import EMBEDDING_KEYS, SPECDRAFT_FILE
+    from ..models import quiet_loading
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    from ..cli import quiet_loading
-
     if dtype != "float32":
         draft = copy.deepcopy(draft).to(getattr(torch, dtype))  # a copy: the caller may keep training
     draft.config.architectures = [type(draft).__name__]

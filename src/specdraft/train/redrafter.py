@@ -376,8 +376,7 @@ def resume_point(out: Path, resume: bool) -> Path | None:
 def load_target_for(args, accelerator):
     """The frozen target on this process's device: under a launcher each process has its
     own (cuda:<local rank>), so the accelerator decides unless --device cpu."""
-    from ..cli import quiet_loading
-    from ..models import load_target
+    from ..models import load_target, quiet_loading
 
     device = "cpu" if args.device == "cpu" else str(accelerator.device)
     if args.device.startswith("cuda") and accelerator.device.type != "cuda":

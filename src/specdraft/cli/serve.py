@@ -1,10 +1,9 @@
-"""The ``serve`` subcommand (registered in cli.SUBCOMMANDS): an OpenAI-compatible HTTP server.
+"""The ``serve`` subcommand (registered in ``cli.SUBCOMMANDS``): an OpenAI-compatible HTTP server.
 
     specdraft serve --drafter lookup --port 8000 --max-batch-size 8
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
 
-Also runnable on its own as ``python -m specdraft.cli_serve ...`` (same options).
 The server modules import lazily: the rest of the CLI works without the [serve] extra.
 """
 
@@ -17,15 +16,14 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import SpecdraftError
+from ..errors import SpecdraftError
+from .options import add_drafter_args, add_target_args, load_engine
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 def add_serve(subparsers) -> None:
     """The ``serve`` subcommand's options."""
-    from .cli import add_drafter_args, add_target_args  # here: cli imports this module
-
     p = subparsers.add_parser(
         "serve", help="serve an OpenAI-compatible HTTP API with continuous batching",
         description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics. "
@@ -60,8 +58,8 @@ def add_serve(subparsers) -> None:
 
 def check_serve_args(args: argparse.Namespace) -> None:
     """Fail on bad numbers before the (slow) model load."""
-    from .drafters.registry import check_shapes
-    from .models import parse_device
+    from ..drafters.registry import check_shapes
+    from ..models import parse_device
 
     check_shapes(args.beam_width, args.beam_length, args.gamma)
     parse_device(args.device)
@@ -104,12 +102,10 @@ def is_loopback(host: str) -> bool:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until a signal drains the server."""
-    from .cli import load_engine
-
     check_serve_args(args)
     require_server_packages()
-    from .server.app import ServeOptions, create_app
-    from .server.runner import listen, make_server, url_of
+    from ..server.app import ServeOptions, create_app
+    from ..server.runner import listen, make_server, url_of
 
     logging.basicConfig(level=args.log_level.upper(), format="specdraft: %(levelname)s: %(message)s")
     if not is_loopback(args.host) and not args.api_key:
@@ -126,16 +122,3 @@ def run_serve(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m specdraft.cli_serve ARGS`` = ``specdraft serve ARGS``."""
-    from .cli import run_command
-
-    parser = argparse.ArgumentParser(prog="specdraft")
-    add_serve(parser.add_subparsers(dest="command", required=True))
-    return run_command(parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)]))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

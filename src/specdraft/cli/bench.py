@@ -1,4 +1,4 @@
-"""The ``bench`` and ``sweep`` subcommands (registered in cli.SUBCOMMANDS).
+"""The ``bench`` and ``sweep`` subcommands (registered in ``cli.SUBCOMMANDS``).
 
     specdraft bench --drafters none,lookup,hf-ar --dataset mt-bench --limit 20 --out runs/mt
     specdraft bench --verify-cost --device cuda --random-target llama-7b --out runs/verify
@@ -11,7 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .errors import SpecdraftError
+from ..errors import SpecdraftError
+from .options import resolve_dtype_arg
 
 # ---- option parsing helpers ---------------------------------------------------------------
 
@@ -40,7 +41,7 @@ def str_list(text: str) -> list[str]:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Target options (as in ``generate``)."""
-    from .models import DTYPE_CHOICES
+    from ..models import DTYPE_CHOICES
 
     g = p.add_argument_group("target model")
     g.add_argument("--target", default="default", metavar="default|PATH|HUB_ID",
@@ -79,7 +80,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 
 def base_config(args: argparse.Namespace, **extra):
     """A BenchConfig from the options common to bench and sweep."""
-    from .bench.runner import BenchConfig
+    from ..bench.runner import BenchConfig
 
     return BenchConfig(
         out=args.out, datasets=args.dataset, target=args.target, device=args.device, dtype=args.dtype,
@@ -88,14 +89,8 @@ def base_config(args: argparse.Namespace, **extra):
         resume=args.resume, warmup=args.warmup, progress=args.progress, command=args.command_line, **extra)
 
 
-def resolve_dtype_arg(args: argparse.Namespace) -> None:
-    from .cli import resolve_dtype_arg as resolve  # here: cli imports this module
-
-    resolve(args)
-
-
 def check_device(args: argparse.Namespace) -> None:
-    from .models import parse_device
+    from ..models import parse_device
 
     parse_device(args.device)
 
@@ -145,8 +140,8 @@ def add_bench(subparsers) -> None:
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
-    from .bench.runner import run_bench
-    from .drafters.registry import check_shapes
+    from ..bench.runner import run_bench
+    from ..drafters.registry import check_shapes
 
     check_device(args)
     check_shapes(args.beam_width, args.beam_length, args.gamma)
@@ -162,7 +157,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     resolve_dtype_arg(args)
     cfg.dtype = args.dtype
     if args.verify_cost:
-        from .bench.verify_cost import DEFAULT_TOKENS, run_verify_cost
+        from ..bench.verify_cost import DEFAULT_TOKENS, run_verify_cost
 
         result = run_verify_cost(cfg, args.verify_tokens or list(DEFAULT_TOKENS), args.verify_prefix,
                                  args.verify_trials, args.random_target)
@@ -200,7 +195,7 @@ def add_sweep(subparsers) -> None:
 
 
 def run_sweep_command(args: argparse.Namespace) -> int:
-    from .bench.sweep import run_sweep
+    from ..bench.sweep import run_sweep
 
     check_device(args)
     if len(args.dataset) != 1:

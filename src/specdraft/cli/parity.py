@@ -1,4 +1,4 @@
-"""The ``parity`` subcommand (registered in cli.SUBCOMMANDS): the engine's greedy output
+"""The ``parity`` subcommand (registered in ``cli.SUBCOMMANDS``): the engine's greedy output
 against transformers' ``generate()`` at the same dtype, near-ties told from errors.
 
     specdraft parity --drafter lookup --dataset mt-bench --dtype bfloat16 --batch-size 4 --max-new-tokens 256
@@ -10,15 +10,14 @@ import argparse
 import json
 import sys
 
-from .errors import SpecdraftError
+from ..errors import SpecdraftError
+from .options import add_drafter_args, add_target_args, announce_dtype, load_engine
 
 EXIT_MISMATCH = 1  # some prompt diverged beyond a near-tie (2 stays the usage-error code)
 
 
 def add_parity(subparsers) -> None:
     """The ``parity`` subcommand's options."""
-    from .cli import add_drafter_args, add_target_args
-
     p = subparsers.add_parser(
         "parity", help="check the engine's greedy output against transformers' generate() at the same dtype",
         description="Decode prompts greedily with the engine and with transformers' generate() (same model, same "
@@ -54,11 +53,10 @@ def check_parity_args(args: argparse.Namespace) -> None:
 
 
 def run_parity_command(args: argparse.Namespace) -> int:
-    from .bench.datasets import encode_first_turns, load_prompts
-    from .cli import announce_dtype, load_engine, quiet_loading
-    from .drafters.registry import check_shapes
-    from .models import load_target
-    from .parity import run_parity, summary
+    from ..bench.datasets import encode_first_turns, load_prompts
+    from ..drafters.registry import check_shapes
+    from ..models import load_target, quiet_loading
+    from ..parity import run_parity, summary
 
     check_parity_args(args)
     check_shapes(args.beam_width, args.beam_length, args.gamma)

@@ -1,4 +1,4 @@
-"""Argument checks that ``cli.main`` runs on every subcommand before it starts any work.
+"""Argument checks that ``cli.run_command`` runs on every subcommand before it starts any work.
 
 Each subcommand already checks its own numbers (``SamplingParams.validate``,
 ``check_shapes``, ...); what is checked here is what they share and used to fail late, with
@@ -22,7 +22,7 @@ import json
 import os
 from pathlib import Path
 
-from .errors import SpecdraftError
+from ..errors import SpecdraftError
 
 # numpy's legacy seeding (accelerate's set_seed) refuses more; torch accepts a wider range,
 # and prompt i using seed S+i stays inside it.
@@ -139,7 +139,7 @@ def check_drafter_spec(spec: str, flag: str) -> None:
     """Every checkpoint a drafter spec names (``kind:PATH``, parts of ``A+B``, bench's
     ``@shape`` suffixes) is a whole checkpoint folder; unknown kinds are left to the
     subcommand, which lists the valid ones."""
-    from .drafters.registry import checkpoint_path
+    from ..drafters.registry import checkpoint_path
 
     base = spec.rpartition("@")[0] if "@" in spec else spec
     for part in base.split("+"):

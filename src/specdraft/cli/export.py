@@ -28,13 +28,12 @@ def add_export(subparsers) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from .cli import quiet_loading
-    from .models import load_target
-    from .redrafter.export import export_trtllm
+    from ..models import load_target, quiet_loading
+    from ..redrafter.export import export_trtllm
 
     if args.format == "hf":
-        from .drafters.registry import checkpoint_path
-        from .train.draft import standalone_draft
+        from ..drafters.registry import checkpoint_path
+        from ..train.draft import standalone_draft
 
         with quiet_loading():
             target = load_target(args.target or "default", dtype="float32")

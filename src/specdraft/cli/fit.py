@@ -6,7 +6,8 @@ import argparse
 import re
 from pathlib import Path
 
-from .errors import SpecdraftError
+from ..errors import SpecdraftError
+from .options import add_target_args, resolve_dtype_arg
 
 DRAFTERS = ("redrafter", "medusa")
 
@@ -35,8 +36,6 @@ def parse_count(text: str) -> int:
 
 
 def add_fit(subparsers) -> None:
-    from .cli import add_target_args
-
     p = subparsers.add_parser(
         "fit", help="train a ready drafter for a target in one resumable command",
         description="Run the whole pipeline for a drafter: the target's answers to held-out prompts, one "
@@ -83,7 +82,7 @@ def add_fit(subparsers) -> None:
 
 
 def config_from(args: argparse.Namespace):
-    from .train.fit import FitConfig
+    from ..train.fit import FitConfig
 
     config = FitConfig(out=Path(args.out), drafter=args.drafter, target=args.target, dtype=args.dtype, device=args.device,
                        trust_remote_code=args.trust_remote_code, data=args.data, seq_len=args.seq_len,
@@ -106,8 +105,8 @@ def config_from(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cli import quiet_loading, resolve_dtype_arg
-    from .train.fit import run_fit
+    from ..models import quiet_loading
+    from ..train.fit import run_fit
 
     config = config_from(args)  # every value checked before the model loads
     resolve_dtype_arg(args)

@@ -1,0 +1,51 @@
+"""A ready ``SpeculativeEngine`` from plain values: the target, the drafter and how it drafts.
+
+The command line (``generate``, ``serve``, ``parity``, ``distill``) turns its options into
+an ``EngineSpec``; library users may build one directly. Loading stays quiet in pipes
+(``models.quiet_loading``). Heavy modules (transformers, the drafters) are imported on use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineSpec:
+    """What an engine is built from. ``dtype`` 'auto' is resolved for ``device`` by
+    ``load_target``; ``beam_width`` / ``beam_length`` / ``gamma`` None keep the drafter's own
+    defaults; ``adaptive`` is 'on', 'off' or 'refresh' (see ``adaptive_policy``)."""
+
+    target: str = "default"
+    device: str = "cpu"
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    drafter: str = "lookup"
+    beam_width: int | None = None
+    beam_length: int | None = None
+    gamma: int | None = None
+    max_tree_tokens: int | str | None = "auto"  # a cap, 'auto' (the engine decides) or None (no cap)
+    adaptive: str = "off"
+
+
+def build_engine(spec: EngineSpec):
+    """The target and drafter ``spec`` names, paired in a SpeculativeEngine."""
+    from .drafters.registry import build_drafter
+    from .engine import SpeculativeEngine
+    from .models import load_target, quiet_loading
+
+    with quiet_loading():
+        target = load_target(spec.target, spec.device, spec.dtype, spec.trust_remote_code)
+        drafter = build_drafter(spec.drafter, target, spec.beam_width, spec.beam_length, spec.gamma)
+    return SpeculativeEngine(target, drafter, max_tree_tokens=spec.max_tree_tokens,
+                             policy=adaptive_policy(target, drafter, spec.adaptive))
+
+
+def adaptive_policy(target, drafter, mode: str):
+    """--adaptive on|refresh: a policy over the target's cached cost model (measured here on
+    first use, a few seconds); off, or a drafter that never drafts: None (fixed shapes)."""
+    from .adaptive import AdaptivePolicy, load_cost_model
+
+    if mode == "off" or drafter.acceptance_prior <= 0:
+        return None
+    return AdaptivePolicy(load_cost_model(target, refresh=mode == "refresh"))

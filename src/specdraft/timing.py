@@ -1,0 +1,83 @@
+"""What one target forward costs against the number of tree tokens it verifies: the
+measurement adaptive drafting's cost model (``adaptive.measure_cost_model``) and
+``specdraft bench --verify-cost`` (``bench.verify_cost``) share.
+
+With P cached tokens (a prompt of a few hundred tokens), the target runs N new tokens
+(N = 1 ... 256) at positions P ... P + N - 1 under a chain mask, plus the logits head:
+exactly the engine's "verify" stage for a tree of N tokens (an attention mask's
+sparsity does not change SDPA's cost, so a chain stands for any tree). The cache is
+not committed, so every trial overwrites the same slots. The ratio cost(N) / cost(1)
+is how much drafting N - 1 tokens per step may cost before speculation stops paying.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .cache import CompactCache
+from .errors import SpecdraftError
+from .models import Target
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so that wall-clock times cover it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_forward(target: Target, cache: CompactCache, n: int, prefix: int, trials: int, warmup: int) -> list[float]:
+    """Seconds of `trials` forwards (+ logits) of n chain tokens after the cached prefix."""
+    device = target.device
+    ids = torch.randint(target.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
+    positions = (prefix + torch.arange(n, device=device))[None]
+    chain = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None]
+    mask = cache.attention_mask(chain)
+    times = []
+    with torch.no_grad():
+        for i in range(warmup + trials):
+            synchronize(device)
+            start = time.perf_counter()
+            target.logits(target.forward(ids, positions, mask, cache))
+            synchronize(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+    return times
+
+
+def prefill(target: Target, prefix: int, capacity: int) -> CompactCache:
+    """A cache holding ``prefix`` random tokens, committed."""
+    device = target.device
+    cache = CompactCache(target.num_layers, 1, capacity, device)
+    ids = torch.randint(target.vocab_size, (1, prefix), generator=torch.Generator().manual_seed(0)).to(device)
+    pos = torch.arange(prefix, device=device)
+    causal = (pos[:, None] >= pos[None, :])[None, None]
+    with torch.no_grad():
+        target.forward(ids, pos[None], causal, cache)
+    cache.commit(pos[None], torch.tensor([prefix], device=device))
+    return cache
+
+
+def measure_verify_cost(target: Target, tokens: list[int], prefix: int = 256, trials: int = 10,
+                        warmup: int = 2, progress: bool = True) -> list[dict]:
+    """One row per N: median / min / max milliseconds and the ratio to N = 1."""
+    from tqdm.auto import tqdm
+
+    if not tokens or min(tokens) < 1:
+        raise SpecdraftError("--verify-tokens must be integers >= 1")
+    if prefix < 1 or prefix + max(tokens) > target.max_context:
+        raise SpecdraftError(f"--verify-prefix {prefix} + {max(tokens)} tree tokens must fit the target's "
+                             f"context ({target.max_context})")
+    cache = prefill(target, prefix, prefix + max(tokens) + 8)
+    rows = []
+    for n in tqdm(sorted(set(tokens)), desc="verify cost", unit="N", disable=not progress):
+        times = time_forward(target, cache, n, prefix, trials, warmup)
+        rows.append({"tree_tokens": n, "ms_median": 1000 * statistics.median(times),
+                     "ms_min": 1000 * min(times), "ms_max": 1000 * max(times), "trials": trials})
+    base = rows[0]["ms_median"] if rows[0]["tree_tokens"] == 1 else None
+    for r in rows:
+        r["relative_to_one_token"] = r["ms_median"] / base if base else None
+        r["ms_per_token"] = r["ms_median"] / r["tree_tokens"]
+    return rows
