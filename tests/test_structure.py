@@ -4,9 +4,6 @@ Checked: no import cycle between specdraft's modules (module-level and function-
 imports alike, resolved to specdraft modules; only ``if TYPE_CHECKING:`` imports are left
 out, as they never run), argparse and ``specdraft.cli`` only inside the command line,
 no source file over 500 lines, no function over 60 lines.
-
-Issue 16 is done in steps: a check the tree does not meet yet is a strict xfail, so it
-turns red (XPASS) the moment the tree meets it and the marker must go.
 """
 
 from __future__ import annotations
@@ -14,12 +11,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "specdraft"
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 500, 60
-PENDING = "issue 16: not met yet by the tree"
 
 
 def module_files() -> dict[str, Path]:
@@ -175,13 +169,11 @@ def test_argparse_and_cli_only_inside_the_command_line():
     assert offenders == []
 
 
-@pytest.mark.xfail(strict=True, reason=PENDING)
 def test_no_source_file_over_the_limit():
     long = {m: n for m, p in module_files().items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_FILE_LINES}
     assert long == {}
 
 
-@pytest.mark.xfail(strict=True, reason=PENDING)
 def test_no_function_over_the_limit():
     long = []
     for module, path in module_files().items():

@@ -11,9 +11,7 @@ last of them, g0, is not yet in the KV cache: it is the root of the next step's 
 from __future__ import annotations
 
 import time
-from collections import Counter
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Iterator
 
 import torch
@@ -24,12 +22,10 @@ from .cache import CompactCache
 from .drafters.base import DraftContext, Drafter, Proposal
 from .errors import SpecdraftError
 from .models import Target
+from .rows import STAGES, Batch, GenerationResult, Row, StageTimer, StepEvent  # noqa: F401 (STAGES: re-exported)
 from .sampling import SamplingParams, make_generator, sample, target_probs
 from .textstream import TextStream
 from .tree import TreeBatch, pack_beams
-
-STAGES = ("prefill", "draft", "verify", "accept", "update")
-
 
 PREFILL_PADDING = 1.25  # a prefill group may run at most this many times its real tokens
 
@@ -51,88 +47,6 @@ def prefill_groups(lengths: list[int], padding: float = PREFILL_PADDING) -> list
             groups.append([i])
             real = lengths[i]
     return groups if len(groups) > 1 else [list(range(len(lengths)))]  # one group: keep the order
-
-
-class StageTimer:
-    """Wall-clock seconds per stage; synchronises CUDA so GPU time lands in its stage."""
-
-    def __init__(self, device: torch.device):
-        self.seconds = dict.fromkeys(STAGES, 0.0)
-        self.sync = device.type == "cuda"
-
-    @contextmanager
-    def __call__(self, stage: str):
-        start = time.perf_counter()
-        yield
-        if self.sync:
-            torch.cuda.synchronize()
-        self.seconds[stage] += time.perf_counter() - start
-
-
-@dataclass
-class GenerationResult:
-    """One request's output and statistics."""
-
-    token_ids: list[int]
-    text: str
-    prompt_tokens: int
-    finish_reason: str  # "stop" (EOS or stop string) or "length"
-    steps: int  # target forward passes this request took part in, prefill included
-    seconds: float
-    stage_seconds: dict[str, float]
-    accepted_hist: dict[int, int]  # tokens gained per step -> number of steps
-    drafted_hist: dict[int, int] = field(default_factory=dict)  # drafted depth offered per step -> steps
-    tree_tokens: int = 0  # tokens the target verified in decode steps (tree sizes, g0 included)
-    off_steps: int = 0  # decode steps adaptive drafting ran as plain decoding (no drafter call)
-
-    @property
-    def new_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def tokens_per_step(self) -> float:
-        return self.new_tokens / max(self.steps, 1)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        return {
-            "text": self.text, "token_ids": self.token_ids, "new_tokens": self.new_tokens,
-            "prompt_tokens": self.prompt_tokens, "finish_reason": self.finish_reason,
-            "steps": self.steps, "tokens_per_step": self.tokens_per_step,
-            "tokens_per_second": self.tokens_per_second, "seconds": self.seconds,
-            "stage_seconds": self.stage_seconds,
-            "accepted_hist": {str(k): v for k, v in sorted(self.accepted_hist.items())},
-            "drafted_hist": {str(k): v for k, v in sorted(self.drafted_hist.items())},
-            "tree_tokens": self.tree_tokens, "off_steps": self.off_steps,
-        }
-
-
-@dataclass
-class StepEvent:
-    """Tokens a request gained in one step; ``result`` is set when it finished."""
-
-    index: int
-    new_ids: list[int]
-    result: GenerationResult | None = None
-
-
-@dataclass
-class _Row:
-    index: int
-    prompt: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None
-    generated: list[int] = field(default_factory=list)
-    steps: int = 0
-    hist: Counter = field(default_factory=Counter)
-    drafted: Counter = field(default_factory=Counter)
-    tree_tokens: int = 0
-    finish_reason: str | None = None
-    started: float = field(default_factory=time.perf_counter)
-    adapt: object = None  # adaptive.RowStats when the engine has a policy
 
 
 class SpeculativeEngine:
@@ -189,14 +103,14 @@ class SpeculativeEngine:
             yield from self.step(batch)
 
     def start(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-              ids: list[int] | None = None) -> tuple["Batch", list[StepEvent]]:
+              ids: list[int] | None = None) -> tuple[Batch, list[StepEvent]]:
         """Prefill ``prompts`` into a new batch; events carry ``ids`` (default 0..n-1)."""
         batch, events = self._prefill_batch(prompts, params, ids)
         self.drafter.start(batch.ctx)
         self._drop_finished(batch)
         return batch, events
 
-    def admit(self, batch: "Batch", prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+    def admit(self, batch: Batch, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
               ids: list[int]) -> list[StepEvent]:
         """Continuous batching: prefill new requests and let them join ``batch`` between steps."""
         new, events = self._prefill_batch(prompts, params, ids)
@@ -216,12 +130,12 @@ class SpeculativeEngine:
             batch.timer.seconds[stage] += secs
         return events
 
-    def _prefill_batch(self, prompts, params, ids) -> tuple["Batch", list[StepEvent]]:
+    def _prefill_batch(self, prompts, params, ids) -> tuple[Batch, list[StepEvent]]:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         rows = self._make_rows(prompts, params_list, ids if ids is not None else list(range(len(prompts))))
         device = self.target.device
         # Slots: prompt + new tokens + tree slack, never beyond the context (rows stop there:
-        # _apply_stops; drafts are cut to it), so a huge max_new_tokens cannot size a huge cache.
+        # Row.extend; drafts are cut to it), so a huge max_new_tokens cannot size a huge cache.
         capacity = min(max(len(p) for p in prompts) + max(p.max_new_tokens for p in params_list),
                        self.target.max_context) + 64
         batch = Batch(rows=rows, cache=None, hidden=None, ctx=None, timer=StageTimer(device))
@@ -235,7 +149,7 @@ class SpeculativeEngine:
         batch.ctx = self._context(rows, batch.hidden)
         return batch, events
 
-    def step(self, batch: "Batch") -> list[StepEvent]:
+    def step(self, batch: Batch) -> list[StepEvent]:
         """One draft -> verify -> accept -> update round for every row of ``batch``.
 
         With a policy, a step it plans without drafting (and one whose proposal holds no
@@ -286,7 +200,7 @@ class SpeculativeEngine:
             self._drop_finished(batch)
         return events
 
-    def _adapt(self, proposal: Proposal, batch: "Batch", ctx: DraftContext, depth: int,
+    def _adapt(self, proposal: Proposal, batch: Batch, ctx: DraftContext, depth: int,
                seconds: float) -> Proposal:
         """Cut the proposal to what the policy finds worth verifying (valid mask only)."""
         stats = [r.adapt for r in batch.rows]
@@ -307,7 +221,7 @@ class SpeculativeEngine:
             return False
         return proposal.beams.shape[1:] == (1, 1) or (stats is not None and not any(s.fixed for s in stats))
 
-    def _plain_step(self, batch: "Batch", proposed: bool) -> list[StepEvent]:
+    def _plain_step(self, batch: Batch, proposed: bool) -> list[StepEvent]:
         """One autoregressive step for every row: the cheapest step there is (g0 alone,
         no tree). ``proposed``: the drafter was called this step (it observes the outcome)."""
         target, timer, cache, rows = self.target, batch.timer, batch.cache, batch.rows
@@ -337,7 +251,7 @@ class SpeculativeEngine:
             self._drop_finished(batch)
         return events
 
-    def cancel(self, batch: "Batch", ids: set[int]) -> None:
+    def cancel(self, batch: Batch, ids: set[int]) -> None:
         """Drop the rows whose ids are in ``ids`` (e.g. a client went away); no events."""
         for row in batch.rows:
             if row.index in ids:
@@ -346,7 +260,7 @@ class SpeculativeEngine:
 
     # ---- stages -----------------------------------------------------------------------
 
-    def _make_rows(self, prompts, params_list, ids) -> list[_Row]:
+    def _make_rows(self, prompts, params_list, ids) -> list[Row]:
         rows = []
         for i, prompt, p in zip(ids, prompts, params_list):
             p.validate()
@@ -357,10 +271,10 @@ class SpeculativeEngine:
                     f"prompt has {len(prompt)} tokens; the target's context is {self.target.max_context}")
             gen = None if p.greedy else make_generator(p.seed, self.target.device)
             adapt = self.policy.new_row(self.drafter, p) if self.policy is not None else None
-            rows.append(_Row(index=i, prompt=list(prompt), params=p, generator=gen, adapt=adapt))
+            rows.append(Row(index=i, prompt=list(prompt), params=p, generator=gen, adapt=adapt))
         return rows
 
-    def _prefill(self, rows: list[_Row], capacity: int) -> tuple[torch.Tensor, CompactCache]:
+    def _prefill(self, rows: list[Row], capacity: int) -> tuple[torch.Tensor, CompactCache]:
         """Run the prompts; return (B, d) hidden states at each prompt's end and the cache
         holding them (rows in ``rows`` order, ``capacity`` slots).
 
@@ -383,7 +297,7 @@ class SpeculativeEngine:
         cache.select_rows(back)
         return torch.cat(hidden)[back], cache
 
-    def _prefill_padded(self, rows: list[_Row], cache: CompactCache) -> torch.Tensor:
+    def _prefill_padded(self, rows: list[Row], cache: CompactCache) -> torch.Tensor:
         """Run the right-padded prompts in one pass; return (B, d) hidden states at each
         prompt's end."""
         device = self.target.device
@@ -401,7 +315,7 @@ class SpeculativeEngine:
         cache.commit(pos[None].expand(len(rows), -1), lengths)
         return hidden[torch.arange(len(rows), device=device), lengths - 1]
 
-    def _choose(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
+    def _choose(self, rows: list[Row], logits: torch.Tensor) -> torch.Tensor:
         """The target's own token from logits (B, V): argmax or a sample from p."""
         choice = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -412,12 +326,12 @@ class SpeculativeEngine:
         return choice
 
     @staticmethod
-    def _knobs(rows: list[_Row], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _knobs(rows: list[Row], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return (torch.tensor([r.params.temperature for r in rows], device=device),
                 torch.tensor([r.params.top_k for r in rows], device=device),
                 torch.tensor([r.params.top_p for r in rows], device=device))
 
-    def _context(self, rows: list[_Row], hidden: torch.Tensor) -> DraftContext:
+    def _context(self, rows: list[Row], hidden: torch.Tensor) -> DraftContext:
         device = self.target.device
         # A beam may hold no more tokens than the row may still generate or fit in its
         # context, nor more than its share of the step's tree-token cap.
@@ -440,7 +354,7 @@ class SpeculativeEngine:
         valid = proposal.valid & (depth[None, None, :] < budget[:, None, None])
         return replace(proposal, valid=valid)
 
-    def _accept(self, rows: list[_Row], tree: TreeBatch, proposal: Proposal, logits: torch.Tensor) -> Acceptance:
+    def _accept(self, rows: list[Row], tree: TreeBatch, proposal: Proposal, logits: torch.Tensor) -> Acceptance:
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         acc = accept_greedy(tree, proposal.beams, logits)
         if len(greedy) == len(rows):
@@ -459,59 +373,16 @@ class SpeculativeEngine:
             getattr(acc, name)[idx] = getattr(sampled, name)
         return acc
 
-    def _append(self, batch: "Batch", gained: list[list[int]]) -> list[StepEvent]:
+    def _append(self, batch: Batch, gained: list[list[int]]) -> list[StepEvent]:
         """Add each row's new tokens, applying its stop conditions; return the events."""
-        events = []
+        events, decode = [], self.target.tokenizer.decode
         for row, new in zip(batch.rows, gained):
-            kept = self._apply_stops(row, new)
-            result = self._result(row, batch.timer) if row.finish_reason else None
+            kept = row.extend(new, self.target.eos_ids, self.target.max_context, decode)
+            result = row.result(batch.timer, decode) if row.finish_reason else None
             events.append(StepEvent(index=row.index, new_ids=kept, result=result))
         return events
 
-    def _apply_stops(self, row: _Row, new: list[int]) -> list[int]:
-        """Append ``new`` to the row up to its first stop condition; return what was kept."""
-        p, eos = row.params, self.target.eos_ids
-        before = len(row.generated)
-        for tok in new:
-            row.generated.append(tok)
-            if tok in eos and not p.ignore_eos:
-                row.finish_reason = "stop"
-                break
-            if len(row.generated) >= p.max_new_tokens or \
-                    len(row.prompt) + len(row.generated) >= self.target.max_context:
-                row.finish_reason = "length"
-                break
-        if p.stop:
-            end = self._stop_string_end(row)
-            if end is not None:
-                row.generated = row.generated[: max(end, before)]
-                row.finish_reason = "stop"
-        return row.generated[before:]
-
-    def _stop_string_end(self, row: _Row) -> int | None:
-        """How many generated tokens to keep if the text now holds a stop string (the
-        token that completes it included), else None."""
-        decode = self.target.tokenizer.decode
-        if not any(s in decode(row.generated, skip_special_tokens=True) for s in row.params.stop):
-            return None
-        for k in range(1, len(row.generated) + 1):  # once per request: a linear scan is fine
-            if any(s in decode(row.generated[:k], skip_special_tokens=True) for s in row.params.stop):
-                return k
-        return None
-
-    def _result(self, row: _Row, timer: StageTimer) -> GenerationResult:
-        text = self.target.tokenizer.decode(row.generated, skip_special_tokens=True)
-        for s in row.params.stop:  # the stop string itself is not part of the text
-            if s in text:
-                text = text[: text.index(s)]
-        return GenerationResult(
-            token_ids=list(row.generated), text=text, prompt_tokens=len(row.prompt),
-            finish_reason=row.finish_reason or "length", steps=row.steps,
-            seconds=time.perf_counter() - row.started, stage_seconds=dict(timer.seconds),
-            accepted_hist=dict(row.hist), drafted_hist=dict(row.drafted), tree_tokens=row.tree_tokens,
-            off_steps=row.adapt.off_steps if row.adapt is not None else 0)
-
-    def _drop_finished(self, batch: "Batch", tell_drafter: bool = True) -> None:
+    def _drop_finished(self, batch: Batch, tell_drafter: bool = True) -> None:
         alive = [i for i, r in enumerate(batch.rows) if r.finish_reason is None]
         if len(alive) == len(batch.rows):
             return
@@ -522,19 +393,3 @@ class SpeculativeEngine:
         batch.rows = [batch.rows[i] for i in alive]
         batch.hidden = batch.hidden[keep]
         batch.ctx = self._context(batch.rows, batch.hidden)
-
-
-@dataclass
-class Batch:
-    """Requests in flight together: their rows, KV cache, last hidden states (B, d), the
-    drafter's context for the next step, and the stage timer they share."""
-
-    rows: list[_Row]
-    cache: CompactCache | None
-    hidden: torch.Tensor | None
-    ctx: DraftContext | None
-    timer: StageTimer
-
-    @property
-    def ids(self) -> list[int]:
-        return [r.index for r in self.rows]

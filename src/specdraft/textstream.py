@@ -12,10 +12,7 @@ been pushed. Two things could break that and are held back until resolved:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the engine imports this module: a runtime import would be a cycle
-    from .engine import GenerationResult
+from .rows import GenerationResult
 
 
 class TextStream:

@@ -117,6 +117,24 @@ def add_train_draft(subparsers) -> None:
     p.set_defaults(device="auto")
     p.add_argument("--stage", choices=("pretrain", "finetune"), required=True,
                    help="pretrain: language modelling on text; finetune: distillation from the target")
+    add_draft_data_args(p)
+    add_draft_model_args(p)
+    add_draft_loss_args(p)
+    g = p.add_argument_group("evaluation")
+    add_schedule_args(g, every=200)
+    g.add_argument("--gamma", type=int, default=4, metavar="G", help="draft length for the estimated block "
+                   "efficiency and memory-bound speed-up (default: %(default)s)")
+    add_loop_args(p, epochs=1, lr=None, lr_help="(default: 1e-3 pretrain, 3e-4 finetune)", trained="the draft",
+                  seed_help="initialisation, data order, sampled losses",
+                  outputs="checkpoints/, log.jsonl, eval.jsonl and final/")
+    # g is still the evaluation group (add_loop_args made its own): --help lists these two there.
+    g.add_argument("--log-every", type=int, default=10, metavar="N", help="(default: %(default)s)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run_train_draft)
+
+
+def add_draft_data_args(p) -> None:
+    """``train draft``'s data group: each stage's sources, their sizes, the held-out split."""
     g = p.add_argument_group("data")
     g.add_argument("--text", nargs="+", action="extend", metavar="PATH", help="pretrain: text files, folders or "
                    "globs (HTML reduced to text, .gz decompressed)")
@@ -138,6 +156,11 @@ def add_train_draft(subparsers) -> None:
                    help="evaluate on these instead (distill responses, or ShareGPT's held-out split)")
     g.add_argument("--hidden-cache", metavar="DIR", help="finetune: keep the target's hidden states in DIR so "
                    "later epochs and reruns do not run the target again (same format as train redrafter)")
+
+
+def add_draft_model_args(p) -> None:
+    """``train draft``'s draft model group: a folder to continue, or a new draft's shape and
+    initialisation; its embeddings, vocabulary and saved dtype."""
     g = p.add_argument_group("draft model")
     g.add_argument("--draft", metavar="PATH", help="continue this draft folder (e.g. the pretrain stage's "
                    "OUT/final); otherwise a new draft is built")
@@ -165,6 +188,10 @@ def add_train_draft(subparsers) -> None:
     g.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="dtype of the final folder's weights (training and checkpoints stay float32; bfloat16 "
                         "halves the file, e.g. to ship it) (default: %(default)s)")
+
+
+def add_draft_loss_args(p) -> None:
+    """``train draft``'s loss group (the finetune stage's distillation loss)."""
     g = p.add_argument_group("loss (finetune)")
     g.add_argument("--loss", choices=("fkl", "rkl", "tvd", "tvdpp"), default="tvdpp", help="(default: %(default)s)")
     g.add_argument("--tvdpp-variant", choices=("exact", "sampled", "uniform"), default="exact",
@@ -179,16 +206,6 @@ def add_train_draft(subparsers) -> None:
                    "per prompt with --on-policy (default: %(default)s)")
     g.add_argument("--loss-chunk", type=int, default=1024, metavar="N", help="positions whose full-vocabulary "
                    "distributions are in memory at once (default: %(default)s)")
-    g = p.add_argument_group("evaluation")
-    add_schedule_args(g, every=200)
-    g.add_argument("--gamma", type=int, default=4, metavar="G", help="draft length for the estimated block "
-                   "efficiency and memory-bound speed-up (default: %(default)s)")
-    add_loop_args(p, epochs=1, lr=None, lr_help="(default: 1e-3 pretrain, 3e-4 finetune)", trained="the draft",
-                  seed_help="initialisation, data order, sampled losses",
-                  outputs="checkpoints/, log.jsonl, eval.jsonl and final/")
-    g.add_argument("--log-every", type=int, default=10, metavar="N", help="(default: %(default)s)")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(run=run_train_draft)
 
 
 def run_train_draft(args: argparse.Namespace) -> int:

@@ -4,6 +4,10 @@
 - ``examples``: training examples (ShareGPT / distill files) and position-level batches
 - ``hidden_cache``: on-disk cache of the target's hidden states (safetensors shards)
 - ``redrafter``: ``specdraft train redrafter`` (ReDrafter and Medusa heads)
+- ``draft``: ``specdraft train draft`` (an independent draft model; a package, one module
+  per concern)
+- ``corpus``, ``fit``, ``fit_eval``: ``specdraft fit`` (the position corpus, the pipeline,
+  its held-out scoring)
 
 See docs/training.md.
 """

@@ -273,18 +273,74 @@ def make_accelerator(cpu: bool, mixed_precision: str = "no"):
     return Accelerator(cpu=cpu, mixed_precision=mixed_precision)
 
 
+def accumulate_gradients(accelerator, task, model, plan: Plan, step: int) -> tuple[torch.Tensor, list]:
+    """Forward and backward over optimizer step ``step``'s micro-batches (this process's
+    share); returns (the summed stats, the micro-batches)."""
+    micros = [task.micro_batch(plan.indices(e, m, accelerator.process_index)) for e, m in plan.micro_batches(step)]
+    # Normalisers over the whole step and all processes: every micro-batch's loss
+    # is its sum of per-token terms divided by these (times the process count,
+    # because DDP averages gradients over processes).
+    denom = accelerator.reduce(sum(task.counts(mb) for mb in micros).to(accelerator.device), "sum")
+    denom = denom.clamp(min=1).float() / accelerator.num_processes
+    stats = None
+    for j, mb in enumerate(micros):
+        last = j == len(micros) - 1
+        with nullcontext() if last else accelerator.no_sync(model):  # gradients sync once, on the last
+            loss, mb_stats = task.loss(model, mb, denom)
+            accelerator.backward(loss)
+        stats = mb_stats if stats is None else stats + mb_stats
+    return stats, micros
+
+
+class LogWindow:
+    """The stats summed since the last logged step, written to log.jsonl (main process)
+    with the progress bar's postfix; the bar itself advances every step."""
+
+    def __init__(self, accelerator, task, plan: Plan, state: TrainState, opts: LoopOptions):
+        from tqdm.auto import tqdm
+
+        main = accelerator.is_main_process
+        self.accelerator, self.task = accelerator, task
+        self.log = JsonLog(opts.out, state.step, main)
+        self.bar = tqdm(total=plan.total_steps, initial=state.step, unit="step", desc="train",
+                        disable=not (opts.progress and main), dynamic_ncols=True, file=sys.stderr)
+        self.stats, self.start = None, time.perf_counter()
+
+    def add(self, stats: torch.Tensor) -> None:
+        self.stats = stats if self.stats is None else self.stats + stats
+        self.bar.update(1)
+
+    def write(self, state: TrainState, epoch: int, lr: float) -> None:
+        """One log entry for the window (stats reduced over processes), then a new window."""
+        seconds = time.perf_counter() - self.start
+        fields = self.task.log_fields(self.accelerator.reduce(self.stats, "sum"), seconds,
+                                      self.accelerator.num_processes)
+        entry = {"step": state.step, "epoch": epoch, "lr": lr, "tokens": state.tokens, **fields,
+                 "seconds": round(seconds, 3)}
+        self.log.write(entry)
+        self.bar.set_postfix({k: fields[k] for k in self.task.bar_fields if k in fields}, refresh=False)
+        self.stats, self.start = None, time.perf_counter()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def clock_says(accelerator, opts: LoopOptions, last_save: float) -> tuple[bool, bool]:
+    """(a timed checkpoint is due, the deadline has passed). Every process must agree on
+    time-based decisions: the flags are reduced with max, so one process's clock is enough."""
+    now = time.monotonic()
+    timed = accelerator.reduce(torch.tensor([
+        float(opts.save_every_seconds is not None and now - last_save >= opts.save_every_seconds),
+        float(opts.deadline is not None and now >= opts.deadline)], device=accelerator.device), "max")
+    return bool(timed[0]), bool(timed[1])
+
+
 def train_loop(accelerator, task, model, optimizer, scheduler, plan: Plan, state: TrainState,
                opts: LoopOptions) -> bool:
     """Run optimizer steps from ``state.step`` to ``plan.total_steps``. Returns True when
     training finished, False when it stopped early (``stop_after_steps`` or Ctrl-C on a
     single process; a checkpoint is saved either way)."""
-    from tqdm.auto import tqdm
-
-    main = accelerator.is_main_process
-    log = JsonLog(opts.out, state.step, main)
-    bar = tqdm(total=plan.total_steps, initial=state.step, unit="step", desc="train",
-               disable=not (opts.progress and main), dynamic_ncols=True, file=sys.stderr)
-    window, window_start = None, time.perf_counter()
+    window = LogWindow(accelerator, task, plan, state, opts)
     stop_at = plan.total_steps if opts.stop_after_steps is None else min(plan.total_steps, opts.stop_after_steps)
     params = [p for p in model.parameters() if p.requires_grad]
     updating = False  # True between optimizer.step() and the step count catching up
@@ -292,20 +348,7 @@ def train_loop(accelerator, task, model, optimizer, scheduler, plan: Plan, state
     try:
         while state.step < stop_at:
             epoch = plan.epoch_of(state.step)
-            micros = [task.micro_batch(plan.indices(e, m, accelerator.process_index))
-                      for e, m in plan.micro_batches(state.step)]
-            # Normalisers over the whole step and all processes: every micro-batch's loss
-            # is its sum of per-token terms divided by these (times the process count,
-            # because DDP averages gradients over processes).
-            denom = accelerator.reduce(sum(task.counts(mb) for mb in micros).to(accelerator.device), "sum")
-            denom = denom.clamp(min=1).float() / accelerator.num_processes
-            stats = None
-            for j, mb in enumerate(micros):
-                last = j == len(micros) - 1
-                with nullcontext() if last else accelerator.no_sync(model):
-                    loss, mb_stats = task.loss(model, mb, denom)
-                    accelerator.backward(loss)
-                stats = mb_stats if stats is None else stats + mb_stats
+            stats, micros = accumulate_gradients(accelerator, task, model, plan, state.step)
             if opts.max_grad_norm:
                 accelerator.clip_grad_norm_(params, opts.max_grad_norm)
             lr = scheduler.get_last_lr()[0]  # the rate this step uses
@@ -316,25 +359,13 @@ def train_loop(accelerator, task, model, optimizer, scheduler, plan: Plan, state
             state.step += 1
             updating = False
             state.tokens += sum(task.num_tokens(mb) for mb in micros) * accelerator.num_processes
-            window = stats if window is None else window + stats
-            bar.update(1)
+            window.add(stats)
             if state.step % opts.log_every == 0 or state.step == stop_at:
-                seconds = time.perf_counter() - window_start
-                fields = task.log_fields(accelerator.reduce(window, "sum"), seconds, accelerator.num_processes)
-                entry = {"step": state.step, "epoch": epoch, "lr": lr,
-                         "tokens": state.tokens, **fields, "seconds": round(seconds, 3)}
-                log.write(entry)
-                bar.set_postfix({k: fields[k] for k in task.bar_fields if k in fields}, refresh=False)
-                window, window_start = None, time.perf_counter()
+                window.write(state, epoch, lr)
             if plan.epoch_of(state.step) != epoch:
                 task.sync(accelerator)
-            now = time.monotonic()
-            # Every process must agree on time-based decisions: the main process's clock decides.
-            timed = accelerator.reduce(torch.tensor([
-                float(opts.save_every_seconds is not None and now - last_save >= opts.save_every_seconds),
-                float(opts.deadline is not None and now >= opts.deadline)], device=accelerator.device), "max")
-            out_of_time = bool(timed[1])
-            if state.step % opts.save_every == 0 or state.step == stop_at or bool(timed[0]) or out_of_time:
+            save_due, out_of_time = clock_says(accelerator, opts, last_save)
+            if state.step % opts.save_every == 0 or state.step == stop_at or save_due or out_of_time:
                 save_checkpoint(accelerator, task, opts.out, state.step, opts.keep_checkpoints)
                 last_save = time.monotonic()
             if out_of_time:
@@ -347,7 +378,7 @@ def train_loop(accelerator, task, model, optimizer, scheduler, plan: Plan, state
                   file=sys.stderr)
         raise
     finally:
-        bar.close()
+        window.close()
     return state.step >= plan.total_steps
 
 

@@ -51,6 +51,7 @@ import torch
 
 from ..data.chat import IGNORE
 from ..errors import SpecdraftError
+from ..vocab import DraftVocab
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -324,3 +325,12 @@ class PositionBatch:
     labels: torch.Tensor
     chunk: torch.Tensor
     t: torch.Tensor
+
+
+def to_output_space(vocab: DraftVocab | None, labels: torch.Tensor) -> torch.Tensor:
+    """Labels (any shape: target ids, or IGNORE) -> the same shape in the ids of a head's
+    output layer (draft ids with a draft vocabulary); IGNORE where not drafted."""
+    if vocab is None:
+        return labels
+    mapped = vocab.to_draft(labels)
+    return torch.where(mapped >= 0, mapped, torch.full_like(mapped, IGNORE))

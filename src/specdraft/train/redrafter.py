@@ -77,7 +77,7 @@ class HeadObjective(nn.Module):
     def depth_logits(self, hidden: torch.Tensor, inputs: torch.Tensor, valid: torch.Tensor):
         """Yield (i, logits (n_i, N) float32) for depth i at the rows ``valid[:, i]``, over
         the head's output vocabulary (its draft vocabulary if it has one, else all V);
-        labels must be in that space (``fit.to_output_space``).
+        labels must be in that space (``corpus.to_output_space``).
         hidden (N, d); inputs (N, K) long, the tokens fed at depths 0..K-1."""
         head = self.head
         if isinstance(head, MedusaHeads):

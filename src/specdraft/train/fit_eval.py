@@ -1,0 +1,106 @@
+"""``specdraft fit``'s held-out scoring: per-depth top-1 accuracy and the engine-exact greedy
+τ at W = 1 of a head on the held-out corpus (``CorpusEvaluator``), their one-line summary,
+and OUT/curve.png, the plot of OUT/curve.jsonl against training positions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..data.chat import IGNORE
+from ..vocab import DraftVocab
+from .corpus import Corpus, to_output_space
+from .walk import greedy_walk
+
+CURVE = "curve.jsonl"  # OUT/curve.jsonl: one held-out score per evaluation, with its step and positions
+
+
+class CorpusEvaluator:
+    """Per-depth top-1 accuracy and the greedy τ of one beam of length L = 2..K+1 (W = 1),
+    by replaying the engine's walk (``train.walk``) over a held-out corpus extracted from
+    the target's own greedy answers: the engine's greedy τ on those prompts, up to the
+    numerics of batched vs incremental forwards."""
+
+    def __init__(self, corpus: Corpus, vocab: DraftVocab | None, K: int, device, batch: int = 4096):
+        self.corpus, self.vocab, self.K, self.device, self.batch = corpus, vocab, K, device, batch
+
+    @torch.no_grad()
+    def __call__(self, model) -> dict:
+        was = model.training
+        model.eval()
+        try:
+            return self.score(model)
+        finally:
+            model.train(was)
+
+    def score(self, model) -> dict:
+        K, corpus = self.K, self.corpus
+        runs = [np.zeros(a["tokens"].shape[0], dtype=np.int64) for a in corpus.arrays]
+        hits, count = np.zeros(K), np.zeros(K)
+        for start in range(0, len(corpus), self.batch):
+            mb = corpus.gather(np.arange(start, min(start + self.batch, len(corpus))), K, label="text")
+            labels = to_output_space(self.vocab, mb.labels).to(self.device)
+            valid = mb.labels.to(self.device) != IGNORE  # OOV labels count as misses
+            right = torch.zeros_like(valid)
+            for i, logits in model.depth_logits(mb.hidden.to(self.device), mb.inputs.to(self.device), valid):
+                right[valid[:, i], i] = logits.argmax(-1) == labels[valid[:, i], i]
+            hits += right.sum(0).cpu().numpy()
+            count += valid.sum(0).cpu().numpy()
+            streak = right.long().cumprod(1).sum(1).cpu().numpy()
+            for c in np.unique(mb.chunk.numpy()):
+                rows = mb.chunk.numpy() == c
+                runs[c][mb.t.numpy()[rows]] = streak[rows]
+        out = {f"eval_acc1_{i}": round(float(hits[i] / max(count[i], 1)), 4) for i in range(K)}
+        for depth in range(1, K + 1):
+            tokens = steps = 0
+            for c, a in enumerate(corpus.arrays):
+                for first, last in answer_spans(np.asarray(a["answer"])):
+                    n, s = greedy_walk(torch.from_numpy(runs[c]), first, last, depth)
+                    tokens, steps = tokens + n, steps + s
+            out[f"eval_tau_w1_l{depth + 1}"] = round(tokens / max(steps, 1), 4)
+        out["eval_positions"] = int(count[0])
+        return out
+
+
+def answer_spans(answer: np.ndarray) -> list[tuple[int, int]]:
+    """(first, last) of each maximal run of True."""
+    edges = np.diff(np.concatenate([[0], answer.astype(np.int8), [0]]))
+    return list(zip(np.nonzero(edges == 1)[0].tolist(), (np.nonzero(edges == -1)[0] - 1).tolist()))
+
+
+def summarise(found: dict, K: int) -> str:
+    accs = " / ".join(f"{found[f'eval_acc1_{i}']:.3f}" for i in range(K))
+    return f"top-1 {accs} at depths 1-{K}, τ (W=1, L=2..{K + 1}) " + " / ".join(
+        f"{found[f'eval_tau_w1_l{L}']:.3f}" for L in range(2, K + 2))
+
+
+def write_curve_plot(out: Path) -> None:
+    """OUT/curve.png: held-out τ and top-1 accuracy per depth against training positions."""
+    path = out / CURVE
+    if not path.exists():
+        return
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    x = [r["positions"] for r in rows]
+    for key in sorted(k for k in rows[0] if k.startswith("eval_tau_w1_l")):
+        ax1.plot(x, [r[key] for r in rows], marker=".", label=f"L={key.rsplit('l', 1)[1]}")
+    for key in sorted(k for k in rows[0] if k.startswith("eval_acc1_")):
+        ax2.plot(x, [r[key] for r in rows], marker=".", label=f"depth {int(key.rsplit('_', 1)[1]) + 1}")
+    ax1.set(xlabel="training positions", ylabel="held-out greedy τ (W=1)", title="τ")
+    ax2.set(xlabel="training positions", ylabel="held-out top-1 accuracy", title="accuracy per depth")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "curve.png", dpi=100)
+    plt.close(fig)
