@@ -202,6 +202,24 @@ def test_budget_stops_extraction_and_a_rerun_continues(tiny_target_path, data, a
     assert (out / "final" / "model.safetensors").is_file()
 
 
+def test_a_rerun_after_training_began_does_not_extend_the_corpus(tiny_target_path, data, answers, tmp_path,
+                                                                 monkeypatch):
+    """Once training has a checkpoint, its corpus is fixed (the checkpoint records its
+    chunks): a rerun with a larger --tokens or a fresh budget trains on, extracting nothing."""
+    import specdraft.train.fit as fit_module
+
+    out = tmp_path / "run"
+    common = ["--heldout-data", str(answers), "--epochs", "3", "--save-every", "0"]
+    assert fit(tiny_target_path, data, out, *common, "--stop-after-steps", "2") == 0
+    folders = []
+    real = fit_module.extract
+    monkeypatch.setattr(fit_module, "extract", lambda target, examples, folder, *a, **k: (
+        folders.append(Path(folder).name), real(target, examples, folder, *a, **k))[1])
+    assert fit(tiny_target_path, data, out, *common, "--tokens", "100000000") == 0
+    assert folders == ["heldout-corpus"]  # the training corpus was not touched
+    assert (out / "final" / "model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--budget", "soon"], "--budget must be a duration"),
     (["--tokens", "lots"], "--tokens must be a count"),

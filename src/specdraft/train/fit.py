@@ -217,6 +217,10 @@ def build_corpora(config: FitConfig, target, budget: Budget) -> tuple[Corpus, Co
     held = load_examples(str(held_path), target.tokenizer, seq_len=config.seq_len, K=config.K, eos_ids=target.eos_ids)
     extract(target, held, out / "heldout-corpus", corpus_manifest(target, held, config.seq_len), chunk=16,
             progress=False)
+    if latest_checkpoint(out / "train") is not None:
+        # Training has begun on the corpus as it stands (its checkpoints record which chunks):
+        # extending it now would change the data under the schedule, so a rerun trains on.
+        return Corpus(out / "corpus"), Corpus(out / "heldout-corpus")
     train = load_examples(config.data, target.tokenizer, seq_len=config.seq_len, K=config.K, eos_ids=target.eos_ids)
     report = extract(target, train, out / "corpus", corpus_manifest(target, train, config.seq_len),
                      max_tokens=config.tokens, deadline=budget.deadline(config.extract_share),
