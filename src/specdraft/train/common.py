@@ -224,6 +224,34 @@ class JsonLog:
 # ---- held-out evaluation ----------------------------------------------------------------
 
 
+TOTALS = ("target_seconds", "target_tokens", "tokens")  # appended by TargetStatesTask.with_totals
+
+
+class TargetStatesTask:
+    """What the trainers that read the target's states (computed, or from a ``HiddenCache``)
+    share: the running totals of target time, target tokens and trained tokens appended to
+    their own stats, and making cached states visible to every process."""
+
+    cache = None
+
+    def reset_totals(self) -> None:
+        self._totals = torch.zeros(len(TOTALS))
+
+    def with_totals(self, stats: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """(S,) or (K, S) stats -> flat stats + the totals since the last call (then reset)."""
+        self._totals[2] += float(sum(lengths))
+        totals = self._totals.to(stats.device)
+        self.reset_totals()
+        return torch.cat([stats.flatten(), totals])
+
+    def sync(self, accelerator) -> None:
+        """Make every process's cached states visible to all (checkpoints, epoch ends)."""
+        if self.cache is not None:
+            self.cache.flush()
+            accelerator.wait_for_everyone()
+            self.cache.refresh()
+
+
 class HeldOut:
     """Held-out scoring on the training schedule: ``first()`` before the first step, then at
     the first logged step at or past each multiple of ``every`` (0: none) and at the last

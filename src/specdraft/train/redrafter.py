@@ -32,7 +32,7 @@ from torch.nn import functional as F
 from ..data.chat import IGNORE
 from ..errors import SpecdraftError
 from ..redrafter import MedusaHeads, ReDrafterHead
-from .common import (HeldOut, JsonLog, LoopOptions, finish_run, Plan, TrainState, cosine_schedule, describe,
+from .common import (HeldOut, TargetStatesTask, JsonLog, LoopOptions, finish_run, Plan, TrainState, cosine_schedule, describe,
                      latest_checkpoint, make_accelerator, reduced_sums, train_loop)
 from .examples import Batch, ExampleSet, collate, load_examples
 from .hidden_cache import HiddenCache
@@ -41,7 +41,6 @@ from .walk import greedy_walk, labelled_spans
 ARCHS = ("redrafter", "medusa")
 EVAL_LOG = "eval.jsonl"
 STATS = ("ce", "kl", "correct1", "correctk", "count")  # per depth, then 3 totals below
-TOTALS = ("target_seconds", "target_tokens", "tokens")
 
 
 def build_head(arch: str, target, K: int, head: str, num_blocks: int | None):
@@ -191,7 +190,7 @@ class HeadEvaluator:
         return out
 
 
-class HeadTask:
+class HeadTask(TargetStatesTask):
     """The model-specific half of ``common.train_loop`` for drafter heads."""
 
     bar_fields = ("loss", "acc1_0")
@@ -203,7 +202,7 @@ class HeadTask:
         self.use_kl = bool(kl_weight)
         self.device = target.device
         self.held_out = held_out
-        self._totals = torch.zeros(len(TOTALS))
+        self.reset_totals()
 
     # -- data --
     def micro_batch(self, indices: list[int]) -> Batch:
@@ -249,16 +248,7 @@ class HeadTask:
             target_hidden = hidden[rows[:, None], tcols.clamp(min=0)]  # (N, K, d); -1 entries are unlabelled
         loss, stats = model(hidden[rows, cols], mb.inputs.to(self.device), mb.labels.to(self.device),
                             target_hidden, denom)
-        self._totals[2] += float(sum(mb.lengths))
-        totals, self._totals = self._totals.to(stats.device), torch.zeros(len(TOTALS))
-        return loss, torch.cat([stats.flatten(), totals])
-
-    def sync(self, accelerator) -> None:
-        """Make every process's cached states visible to all (checkpoints, epoch ends)."""
-        if self.cache is not None:
-            self.cache.flush()
-            accelerator.wait_for_everyone()
-            self.cache.refresh()
+        return loss, self.with_totals(stats, mb.lengths)
 
     def log_fields(self, stats: torch.Tensor, seconds: float, num_processes: int) -> dict:
         """Loss, per-depth CE / KL / top-1 / top-k accuracy, and throughput, from summed stats."""

@@ -58,7 +58,8 @@ from .model import borrow_embeddings, build_draft, calibrate_output_scale, embed
 from .objective import STATS, DraftObjective, target_hidden
 from .shape import (DEFAULT_LAYERS, MAX_DEFAULT_HIDDEN, DraftShape, TargetFacts, choose_shape, complete_shape,
                     draft_config, shape_of)
-from .task import TOTALS, DraftTask, prompt_of
+from ..common import TOTALS
+from .task import DraftTask, prompt_of
 
 __all__ = [
     "BuiltDraft", "DEFAULT_LAYERS", "DEFAULT_LR", "DraftObjective", "DraftShape", "DraftTask", "EVAL_LOG",

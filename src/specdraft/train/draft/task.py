@@ -7,12 +7,11 @@ from __future__ import annotations
 import torch
 
 from ...data.chat import IGNORE
-from ..common import HeldOut
+from ..common import HeldOut, TargetStatesTask
 from ..examples import Example
 from .batches import PositionBatch, collate_positions
 from .objective import target_hidden
 
-TOTALS = ("target_seconds", "target_tokens", "tokens")  # appended to STATS by DraftTask.loss
 
 
 def prompt_of(example: Example) -> list[int]:
@@ -22,7 +21,7 @@ def prompt_of(example: Example) -> list[int]:
     return example.input_ids[:first]
 
 
-class DraftTask:
+class DraftTask(TargetStatesTask):
     """``common.train_loop``'s model-specific half. With ``on_policy_tokens`` > 0 the
     trained sequences are the examples' prompts continued by the draft itself (sampled at
     temperature 1 with the global RNG, so checkpoints resume exactly), scored by the target."""
@@ -33,7 +32,7 @@ class DraftTask:
         self.on_policy_tokens, self.seq_len = on_policy_tokens, seq_len
         self.accelerator, self.model, self.held_out = accelerator, model, held_out
         self.bar_fields = ("loss", "accept" if stage == "finetune" else "acc1", "eval_accept")
-        self._totals = torch.zeros(len(TOTALS))
+        self.reset_totals()
 
     def micro_batch(self, indices: list[int]) -> PositionBatch:
         examples = [self.examples[i] for i in indices]
@@ -88,15 +87,7 @@ class DraftTask:
             th = target_hidden(self.target, self.cache, mb, self._totals)[rows, cols]
         loss, stats = model(mb.input_ids.to(device), mb.attention_mask.to(device), rows, cols, mb.labels.to(device),
                             th, denom)
-        self._totals[2] += float(sum(mb.lengths))
-        totals, self._totals = self._totals.to(stats.device), torch.zeros(len(TOTALS))
-        return loss, torch.cat([stats, totals])
-
-    def sync(self, accelerator) -> None:
-        if self.cache is not None:
-            self.cache.flush()
-            accelerator.wait_for_everyone()
-            self.cache.refresh()
+        return loss, self.with_totals(stats, mb.lengths)
 
     def log_fields(self, stats: torch.Tensor, seconds: float, num_processes: int) -> dict:
         loss, ce, tv, agree, n, target_s, target_tok, tokens = stats.tolist()
