@@ -15,10 +15,10 @@ import torch
 
 from specdraft.drafters.registry import checkpoint_path
 from specdraft.models import load_target
-from specdraft.redrafter import MedusaHeads, ReDrafterHead
+from specdraft.heads import MedusaHeads, ReDrafterHead
 from specdraft.train.corpus import Corpus
 from specdraft.train.fit import CorpusEvaluator
-from specdraft.train.redrafter import HeadObjective
+from specdraft.train.heads import HeadObjective
 
 
 def main() -> None:

@@ -278,3 +278,22 @@ def test_smollm2_greedy_parity_with_policy(smol, smol_parity_cases, name):
         params = [SamplingParams(max_new_tokens=parity.NEW_TOKENS - 8 * (i % 2)) for i in range(len(group))]
         results = engine.generate([prompt for prompt, _ in group], params)
         parity.check(smol, [(p, ref[: q.max_new_tokens]) for (p, ref), q in zip(group, params)], results)
+
+
+def test_tree_steps_dearer_than_the_curve_turn_drafting_off():
+    """The offline curve says drafting pays; steps measured on line say tree steps cost twice
+    what it says while plain steps cost what it says: the policy learns that and stops."""
+    policy = AdaptivePolicy(LINEAR)
+    stats, budget = [stats_with([0.5] * 8)], torch.tensor([9])
+    assert policy.plan(stats, budget, 0) == 2  # (1 + 0.5 + 0.25) / 1.2 per the curve
+    for _ in range(30):
+        policy.observe_step(False, 1, 0, LINEAR(1))
+        policy.observe_step(True, 3, 0, 2 * LINEAR(3))
+    assert policy.step_ratio(True) == pytest.approx(2.0) and policy.step_ratio(False) == pytest.approx(1.0)
+    assert policy.plan(stats, budget, 0) == 0  # 1.75 / 2.4 < 1 / 1.0
+    # the same slowdown on every step (a busier machine) changes nothing
+    busy = AdaptivePolicy(LINEAR)
+    for _ in range(30):
+        busy.observe_step(False, 1, 0, 3 * LINEAR(1))
+        busy.observe_step(True, 3, 0, 3 * LINEAR(3))
+    assert busy.plan(stats, budget, 0) == 2

@@ -243,17 +243,61 @@ def test_verify_cost_rejects_a_prefix_beyond_the_context(tiny_target_path, tmp_p
 def test_sweep_lookup_records_best_shape(tiny_target_path, prompts_file, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
     rc = cli("sweep", "--target", tiny_target_path, "--no-chat", "--dataset", prompts_file, "--drafter", "lookup",
-             "--widths", "1,2", "--lengths", "3,5", "--max-new-tokens", 12, "--no-progress", "--out", tmp_path / "out")
+             "--widths", "1,2", "--lengths", "3,5", "--batch-sizes", "1,2", "--max-new-tokens", 12, "--no-progress",
+             "--out", tmp_path / "out")
     assert rc == 0
-    runs = json.loads((tmp_path / "out" / "results.json").read_text())["runs"]
-    shapes = [r for r in runs if r["drafter"] != "none"]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    runs = results["runs"]
+    shapes = [r for r in runs if r["drafter"] != "none" and not r["adaptive"] and r["batch_size"] == 1]
     assert sorted((r["beam_width"], r["beam_length"]) for r in shapes) == [(1, 3), (1, 5), (2, 3), (2, 5)]
-    best = max(shapes, key=lambda r: r["tokens_per_second"])
+    assert not any(r["adaptive"] for r in runs if r["drafter"] != "lookup@adaptive")
+    best = max(shapes, key=lambda r: r["tokens_per_second"])  # recorded: the fastest at the smallest batch
     recorded = json.loads((tmp_path / "cache" / "lookup.json").read_text())
     assert (recorded["beam_width"], recorded["beam_length"]) == (best["beam_width"], best["beam_length"])
     assert recorded["specdraft_sweep"]["tokens_per_second"] == pytest.approx(best["tokens_per_second"])
     assert "| W | L |" in (tmp_path / "out" / "sweep.md").read_text()
     assert (tmp_path / "out" / "sweep.png").read_bytes().startswith(PNG_MAGIC)
+    # the same run measured adaptive drafting, and compares it per batch size with the best of
+    # plain decoding and every fixed shape
+    compared = {c["batch_size"]: c for c in json.loads((tmp_path / "out" / "sweep.json").read_text())["adaptive"]}
+    assert set(compared) == {1, 2}
+    for b, c in compared.items():
+        at_b = [r for r in runs if r["batch_size"] == b]
+        adaptive = next(r for r in at_b if r["drafter"] == "lookup@adaptive")
+        assert adaptive["adaptive"] and adaptive["drafting"]["adaptive"]
+        reference = max(r["tokens_per_second"] for r in at_b if not r["adaptive"])
+        assert c["ratio"] == pytest.approx(adaptive["tokens_per_second"] / reference)
+    assert "## Adaptive drafting" in (tmp_path / "out" / "sweep.md").read_text()
+
+
+@pytest.mark.parametrize("spec, base, shape", [
+    ("lookup", "lookup", {}),
+    ("lookup@1x3", "lookup", {"beam_width": 1, "beam_length": 3}),
+    ("lookup@1x3/fixed", "lookup", {"beam_width": 1, "beam_length": 3, "adaptive": False}),
+    ("redrafter:a@b/c@adaptive", "redrafter:a@b/c", {"adaptive": True}),
+    ("draft:P@g5/adaptive", "draft:P", {"gamma": 5, "adaptive": True}),
+])
+def test_method_suffix_sets_shape_and_policy(spec, base, shape):
+    from specdraft.bench.specs import split_shape
+
+    assert split_shape(spec) == (base, shape)
+
+
+@pytest.mark.parametrize("spec", ["lookup@", "lookup@1x3/2x4", "lookup@fixed/adaptive", "lookup@g2/1x3", "lookup@on"])
+def test_method_suffix_rejects_nonsense(spec):
+    from specdraft.bench.specs import split_shape
+
+    with pytest.raises(SpecdraftError, match="suffix"):
+        split_shape(spec)
+
+
+def test_bench_measures_fixed_and_adaptive_rows_side_by_side(tiny_target_path, prompts_file, tmp_path):
+    rc = cli("bench", "--target", tiny_target_path, "--no-chat", "--dataset", prompts_file, "--limit", 2,
+             "--drafters", "lookup@1x3/fixed,lookup@1x3", "--max-new-tokens", 8, "--no-progress",
+             "--out", tmp_path / "out")
+    assert rc == 0
+    runs = {r["drafter"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())["runs"]}
+    assert runs["lookup@1x3/fixed"]["adaptive"] is False and runs["lookup@1x3"]["adaptive"] is True
 
 
 def test_sweep_draft_model_records_gamma(tiny_target_path, prompts_file, tmp_path):
@@ -264,7 +308,7 @@ def test_sweep_draft_model_records_gamma(tiny_target_path, prompts_file, tmp_pat
              "--no-progress", "--out", tmp_path / "out")
     assert rc == 0
     runs = json.loads((tmp_path / "out" / "results.json").read_text())["runs"]
-    shapes = {r["gamma"]: r for r in runs if r["drafter"] != "none"}
+    shapes = {r["gamma"]: r for r in runs if r["drafter"] != "none" and not r["adaptive"]}
     assert set(shapes) == {1, 3}
     assert all(r["mbsu"] == pytest.approx(r["tokens_per_step"] / (1 + r["gamma"])) for r in shapes.values())
     best = max(shapes.values(), key=lambda r: r["tokens_per_second"])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama
-from specdraft.cli import main
+from specdraft.cli import main, parse_args
 from specdraft.drafters import NoDrafter
 from specdraft.engine import SpeculativeEngine
 from specdraft.sampling import SamplingParams
@@ -190,7 +190,7 @@ def test_bad_prompts_file(tiny_target_path, tmp_path, content, capsys):
 
 def save_redrafter(target, folder: Path) -> Path:
     """A randomly initialised ReDrafter head for ``target``, saved as a checkpoint."""
-    from specdraft.redrafter.model import ReDrafterHead
+    from specdraft.heads.model import ReDrafterHead
 
     torch.manual_seed(0)
     return ReDrafterHead.for_target(target).save(folder)
@@ -297,3 +297,21 @@ def test_module_reports_bad_prompt_after_loading_without_noise(tiny_target_path)
     assert proc.returncode == 2
     assert_one_error_line(proc.returncode, proc.stderr)
     assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("argv, cls, required", [
+    (["train", "redrafter"], "HeadTrainConfig", {}),
+    (["train", "draft", "--stage", "pretrain"], "DraftTrainConfig", {"stage": "pretrain"}),
+])
+def test_trainer_configs_carry_every_option_with_the_cli_defaults(argv, cls, required):
+    """The trainers take plain dataclasses: the CLI's defaults are the dataclass's (no copy
+    drifts), and no option of the command is left out of its config."""
+    import dataclasses
+
+    from specdraft.train import configs
+
+    config_cls = getattr(configs, cls)
+    args = parse_args([*argv, "--out", "x"])
+    assert config_cls.from_options(args) == config_cls(out="x", **required)
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    assert set(vars(args)) - names == {"command", "command_line", "debug", "drafter_kind", "run"}

@@ -194,8 +194,8 @@ WORK = {
     "distill": ["specdraft.build.build_engine", "specdraft.models.load_target"],
     "bench": ["specdraft.bench.runner.run_bench", "specdraft.bench.verify_cost.run_verify_cost"],
     "sweep": ["specdraft.bench.sweep.run_sweep"],
-    "train": ["specdraft.train.redrafter.run", "specdraft.train.draft.run"],
-    "export": ["specdraft.redrafter.export.export_trtllm", "specdraft.models.load_target"],
+    "train": ["specdraft.train.heads.run", "specdraft.train.draft.run"],
+    "export": ["specdraft.heads.export.export_trtllm", "specdraft.models.load_target"],
     "fit": ["specdraft.train.fit.run_fit"],
     "parity": ["specdraft.build.build_engine"],
 }

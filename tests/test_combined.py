@@ -12,7 +12,7 @@ from specdraft.drafters.base import DraftContext
 from specdraft.drafters.combined import CombinedDrafter
 from specdraft.drafters.registry import build_drafter
 from specdraft.errors import SpecdraftError
-from specdraft.redrafter import ReDrafterHead
+from specdraft.heads import ReDrafterHead
 
 
 def context(histories: list[list[int]]) -> DraftContext:

@@ -15,7 +15,7 @@ from specdraft.data import iter_conversations
 from specdraft.data.sharegpt import split_of
 from specdraft.drafters import NoDrafter
 from specdraft.drafters.registry import build_drafter
-from specdraft.redrafter import ReDrafterHead
+from specdraft.heads import ReDrafterHead
 from specdraft.train.corpus import Corpus, corpus_manifest, extract
 from specdraft.train.examples import load_examples
 from specdraft.vocab import DraftVocab
@@ -169,7 +169,7 @@ def test_fit_end_to_end_then_exact_and_walk_is_engine_tau(tiny_target_path, tiny
     examples = [examples[i] for i in range(len(examples))]
     tokens = sum(len(r["response_ids"]) for r in records)
     from specdraft.train.fit import CorpusEvaluator
-    from specdraft.train.redrafter import HeadObjective
+    from specdraft.train.heads import HeadObjective
     found = CorpusEvaluator(Corpus(out / "heldout-corpus"), head.draft_vocab, 3, tiny_target.device)(
         HeadObjective(head.float(), 3))
     assert found["eval_tau_w1_l4"] > 1.2  # the check has teeth
@@ -234,7 +234,7 @@ def test_bad_fit_options_are_one_line_errors(tiny_target_path, data, tmp_path, c
 
 def test_export_refuses_a_draft_vocab_head_with_the_reason(tiny_target, tmp_path):
     from specdraft.errors import SpecdraftError
-    from specdraft.redrafter import export_trtllm
+    from specdraft.heads import export_trtllm
 
     vocab = DraftVocab(4, int(tiny_target.vocab_size))
     vocab.set_ids(torch.tensor([0, 2, 3, 5]))
@@ -245,7 +245,7 @@ def test_export_refuses_a_draft_vocab_head_with_the_reason(tiny_target, tmp_path
 
 @pytest.mark.parametrize("variant", ["own", "shared"])
 def test_medusa_heads_with_a_draft_vocab_round_trip_and_stay_exact(tiny_target, tmp_path, variant):
-    from specdraft.redrafter import MedusaHeads
+    from specdraft.heads import MedusaHeads
 
     vocab = DraftVocab(8, int(tiny_target.vocab_size))
     vocab.set_ids(torch.tensor([0, 2, 3, 5, 7, 8, 11, 13]))

@@ -15,7 +15,7 @@ from specdraft.drafters import NoDrafter
 from specdraft.drafters.medusa import MedusaDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.models import load_target
-from specdraft.redrafter import MedusaHeads, ReDrafterHead, future_labels, independent_beam_search
+from specdraft.heads import MedusaHeads, ReDrafterHead, future_labels, independent_beam_search
 from conftest import make_tiny_llama
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [3]]

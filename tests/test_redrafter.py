@@ -18,7 +18,7 @@ from specdraft.drafters import NoDrafter
 from specdraft.drafters.redrafter import ReDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.models import load_target
-from specdraft.redrafter import (MedusaHeads, ReDrafterHead, export_trtllm, future_labels,
+from specdraft.heads import (MedusaHeads, ReDrafterHead, export_trtllm, future_labels,
                                  redrafter_beam_search)
 from conftest import make_tiny_llama
 

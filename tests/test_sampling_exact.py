@@ -32,7 +32,7 @@ import specdraft.engine as engine
 from specdraft.drafters import LookupDrafter, NoDrafter
 from specdraft.drafters.combined import CombinedDrafter
 from specdraft.drafters.redrafter import ReDrafter
-from specdraft.redrafter import ReDrafterHead
+from specdraft.heads import ReDrafterHead
 from specdraft.drafters.base import DraftContext, Drafter, Proposal
 from specdraft.engine import SpeculativeEngine
 from specdraft.models import load_target

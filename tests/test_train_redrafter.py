@@ -19,10 +19,10 @@ from specdraft import SamplingParams, SpeculativeEngine, cli
 from specdraft.data import IGNORE, iter_conversations
 from specdraft.drafters import NoDrafter
 from specdraft.drafters.registry import build_drafter
-from specdraft.redrafter import MedusaHeads, ReDrafterHead, future_labels
+from specdraft.heads import MedusaHeads, ReDrafterHead, future_labels
 from specdraft.train.common import Plan
 from specdraft.train.examples import Example, collate
-from specdraft.train.redrafter import HeadObjective
+from specdraft.train.heads import HeadObjective
 
 PROMPTS = [[1, 4, 5, 1], [1, 9, 3, 8, 2, 1], [1, 7, 1]]
 
@@ -130,7 +130,7 @@ def test_heldout_evaluator_replays_the_greedy_walk(tiny_target, m):
     first token; a step at t emits min(r_t, L - 1) drafted tokens (r_t = leading right
     guesses, cut where the answer ends) and the target's next one; over each answer (two
     answers in the last example: a multi-turn one)."""
-    from specdraft.train.redrafter import HeadEvaluator
+    from specdraft.train.heads import HeadEvaluator
 
     K, V = 4, tiny_target.vocab_size
     g = torch.Generator().manual_seed(7)
@@ -172,7 +172,7 @@ def test_heldout_walk_is_the_engines_greedy_tau(tiny_target_path, tiny_target, d
     from accelerate import Accelerator
 
     from specdraft.train.examples import record_examples
-    from specdraft.train.redrafter import HeadEvaluator
+    from specdraft.train.heads import HeadEvaluator
 
     from drafters_for_tests import engine_forwards, greedy_answer_file
 

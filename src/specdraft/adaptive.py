@@ -6,7 +6,9 @@ Three parts, all plain objects the engine takes (tests pass synthetic ones):
   batch, T = B x N (the packed tree is padded to its longest row, and every padded slot is
   computed), plus an attention term growing with the cached width. Measured once per
   target / dtype / device / threads with the ``bench --verify-cost`` code and cached on disk
-  (``load_cost_model``).
+  (``load_cost_model``). ``StepCostRatio`` corrects it on line: per step kind (plain, tree),
+  measured step seconds over the curve's, so the overheads of tree steps (packing, masks,
+  acceptance) and a machine busier than when the curve was measured are paid for.
 - ``RowStats``: one request's acceptance evidence. a_j = P(the drafted token at depth j is
   accepted | depth j - 1 was) from decayed counts with a Beta prior (the drafter's
   ``acceptance_prior``; depth j's prior mean is depth j - 1's estimate), and kappa, the
@@ -18,11 +20,12 @@ Three parts, all plain objects the engine takes (tests pass synthetic ones):
   a_j (1 - a_j)^rank without a confidence (rank = its index among siblings). With
   rates v and padded cost,
 
-      n* = argmax_n  (B + sum_b sum_{top min(n, count_b) nodes of b} v) / (cost(B (1 + n), width) + draft(n))
+      n* = argmax_n  (B + sum_b sum_{top min(n, count_b) nodes of b} v)
+                     / (cost(B (1 + n), width) r(n > 0) + draft(n))
 
-  exact for the padded cost model: since v never grows along a path (p <= 1), each row's
-  top-k nodes form a prefix-closed subtree, and every row may fill up to n at no extra
-  cost. Ties pick the smaller n (cheaper).
+  (r: the step-cost ratio of the step's kind), exact for the padded cost model: since v
+  never grows along a path (p <= 1), each row's top-k nodes form a prefix-closed subtree,
+  and every row may fill up to n at no extra cost. Ties pick the smaller n (cheaper).
 
 The policy only shapes proposals, never acceptance, so exactness is unchanged. One rule
 keeps it so for *sampled* drafts (a proposal with q): their depth must not depend on the
@@ -239,6 +242,29 @@ class DraftTimer:
         return self.seconds[near] * max(1.0, depth / near)
 
 
+class StepCostRatio:
+    """What steps really cost against the cost model, learnt on line: per step kind (plain
+    one-token steps, tree steps) an EWMA of wall seconds (drafting excluded) over the cost
+    model's forward. The offline curve times bare forwards on a quiet machine; a real step
+    also packs the tree, builds masks, accepts and commits, and those costs grow with the tree
+    and the batch (on the 2-core EPYC, 4 rows of lookup trees cost ~50 ms a step more than the
+    curve said, enough to make drafting lose at batch 4), and a busier machine scales both.
+    A ratio multiplies (never makes a cost negative); a kind not seen yet counts 1."""
+
+    def __init__(self, weight: float = 0.1):
+        self.weight = weight
+        self.ratio = {False: 1.0, True: 1.0}
+        self.seen = {False: 0, True: 0}
+
+    def record(self, tree: bool, measured: float, modelled: float) -> None:
+        r = min(max(measured / max(modelled, 1e-12), 0.01), 100.0)  # one wild reading cannot dominate
+        self.ratio[tree] = r if not self.seen[tree] else (1 - self.weight) * self.ratio[tree] + self.weight * r
+        self.seen[tree] += 1
+
+    def __call__(self, tree: bool) -> float:
+        return self.ratio[tree]
+
+
 # ---- the policy --------------------------------------------------------------------------
 
 
@@ -250,6 +276,7 @@ class AdaptivePolicy:
         ``acceptance_prior``)."""
         self.cost, self.prior = cost, prior
         self.draft_time = DraftTimer()
+        self.step_ratio = StepCostRatio()
 
     def new_row(self, drafter, params=None) -> RowStats:
         """Stats for a new request. A seeded sampling request keeps the drafter's fixed
@@ -261,7 +288,13 @@ class AdaptivePolicy:
 
     def seconds(self, rows: int, width: int, draft_depth: int = 0):
         """n -> seconds of a step whose longest row verifies 1 + n tokens."""
-        return lambda n: self.cost(rows * (1 + n), width) + self.draft_time(draft_depth or (n and n + SLACK))
+        return lambda n: (self.cost(rows * (1 + n), width) * self.step_ratio(n > 0) +
+                          self.draft_time(draft_depth or (n and n + SLACK)))
+
+    def observe_step(self, tree: bool, tokens: int, width: int, seconds: float) -> None:
+        """A finished step: ``tokens`` padded tree tokens over the batch (B for a plain step)
+        with ``width`` cached slots took ``seconds`` of wall time, drafting excluded."""
+        self.step_ratio.record(tree, seconds, self.cost(tokens, width))
 
     def plan(self, stats: list[RowStats], budget: torch.Tensor, width: int) -> int:
         """Depth to draft this step (0: drafting off, no drafter call), from the rates alone.
@@ -308,7 +341,7 @@ class AdaptivePolicy:
         ranked = flat.gather(1, order).clamp(min=0)
         gains = torch.nn.functional.pad(ranked.cumsum(dim=1), (1, 0))
         counts = owns.flatten(1).sum(dim=1).cpu()
-        seconds = lambda n: self.cost(B * (1 + n), width) + draft_seconds  # noqa: E731 (drafting is paid)
+        seconds = lambda n: self.cost(B * (1 + n), width) * self.step_ratio(n > 0) + draft_seconds  # noqa: E731
         n = best_size(gains, counts, seconds)
         n = max(n, 1) if probe and n == 0 else n
         position = torch.empty_like(order).scatter_(1, order, torch.arange(L * W).expand(B, -1))

@@ -156,18 +156,20 @@ class SpeculativeEngine:
         drafted token) runs as ``_plain_step``: no drafter call, no tree packing."""
         target, timer, cache, ctx = self.target, batch.timer, batch.cache, batch.ctx
         stats = [r.adapt for r in batch.rows] if self.policy is not None else None
+        step_start, width = time.perf_counter(), cache.width  # the policy learns what steps really cost
         if stats is not None:
             depth = self.policy.plan(stats, ctx.budget, cache.width)
             if depth == 0:
-                return self._plain_step(batch, proposed=False)
+                return self._plain_step(batch, proposed=False, started=step_start)
             ctx = replace(ctx, budget=ctx.budget.clamp(max=depth + 1 + SLACK))
         with timer("draft"):
             started = time.perf_counter()
             proposal = self._clip(self.drafter.propose(ctx), ctx.budget)
+            drafting = time.perf_counter() - started
             if stats is not None:
-                proposal = self._adapt(proposal, batch, ctx, depth, time.perf_counter() - started)
+                proposal = self._adapt(proposal, batch, ctx, depth, drafting)
         if self._plain(proposal, stats):
-            return self._plain_step(batch, proposed=True)
+            return self._plain_step(batch, proposed=True, started=step_start + drafting)
         with timer("verify"):
             tree = pack_beams(proposal.beams, proposal.valid)
             positions = cache.lengths[:, None] + tree.depth
@@ -198,6 +200,8 @@ class SpeculativeEngine:
             events = self._append(batch, gained)
             batch.ctx = self._context(batch.rows, batch.hidden)
             self._drop_finished(batch)
+        if stats is not None:
+            self.policy.observe_step(True, tree.tokens.numel(), width, time.perf_counter() - step_start - drafting)
         return events
 
     def _adapt(self, proposal: Proposal, batch: Batch, ctx: DraftContext, depth: int,
@@ -221,11 +225,12 @@ class SpeculativeEngine:
             return False
         return proposal.beams.shape[1:] == (1, 1) or (stats is not None and not any(s.fixed for s in stats))
 
-    def _plain_step(self, batch: Batch, proposed: bool) -> list[StepEvent]:
+    def _plain_step(self, batch: Batch, proposed: bool, started: float | None = None) -> list[StepEvent]:
         """One autoregressive step for every row: the cheapest step there is (g0 alone,
-        no tree). ``proposed``: the drafter was called this step (it observes the outcome)."""
+        no tree). ``proposed``: the drafter was called this step (it observes the outcome);
+        ``started``: when the step began, drafting excluded (for the policy's step costs)."""
         target, timer, cache, rows = self.target, batch.timer, batch.cache, batch.rows
-        B, device = len(rows), target.device
+        B, device, width = len(rows), target.device, cache.width
         with timer("verify"):
             g0 = batch.ctx.g0[:, None]
             mask = cache.attention_mask(torch.ones(B, 1, 1, dtype=torch.bool, device=device))
@@ -249,6 +254,8 @@ class SpeculativeEngine:
             events = self._append(batch, [[t] for t in chosen.tolist()])
             batch.ctx = self._context(batch.rows, batch.hidden)
             self._drop_finished(batch)
+        if self.policy is not None and started is not None:
+            self.policy.observe_step(False, B, width, time.perf_counter() - started)
         return events
 
     def cancel(self, batch: Batch, ids: set[int]) -> None:

@@ -71,7 +71,7 @@ class EngineMethod(Method):
         n_draft = getattr(drafter, "num_parameters", None)
         info = {"beam_width": getattr(drafter, "W", None), "beam_length": getattr(drafter, "L", None),
                 "gamma": getattr(drafter, "gamma", None), "draft_params": n_draft,
-                "target_params": parameter_count(target.model)}
+                "target_params": parameter_count(target.model), "adaptive": policy is not None}
         if info["beam_length"] is None and info["gamma"]:
             info["beam_length"] = info["gamma"] + 1  # a draft model's chain: g0 + γ drafts
         if spec == "none":

@@ -24,7 +24,7 @@ from ..sampling import SamplingParams
 from . import metrics
 from .datasets import BenchPrompt, dataset_label, encode_first_turns, load_prompts, second_turn_ids
 from .methods import Method
-from .specs import build_method
+from .specs import build_method, split_shape
 from .store import RESULTS, load_for_resume, row_key, write_json_atomic
 
 AR, HF_AR = "none", "hf-ar"
@@ -189,18 +189,20 @@ class Bench:
         from ..models import quiet_loading
 
         cfg = self.cfg
+        base, shape = split_shape(spec)
+        # @fixed / @adaptive override --adaptive; plain decoding has nothing to adapt.
+        adaptive = shape.get("adaptive", cfg.adaptive != "off") and base != AR
         with quiet_loading():
-            method = build_method(spec, self.target, cfg.beam_width, cfg.beam_length, cfg.gamma, self.policy())
+            method = build_method(spec, self.target, cfg.beam_width, cfg.beam_length, cfg.gamma,
+                                  self.policy() if adaptive else None)
         if cfg.warmup:  # first calls pay for allocations and kernel selection
             method.generate([warm_prompt], [SamplingParams(max_new_tokens=min(8, cfg.max_new_tokens))])
         return method
 
     def policy(self):
-        """A fresh adaptive policy (the cost model measured or read once per run), or None."""
+        """A fresh adaptive policy (the cost model measured or read once per run)."""
         from ..adaptive import AdaptivePolicy, load_cost_model
 
-        if self.cfg.adaptive == "off":
-            return None
         if self.cost is None:
             self.cost = load_cost_model(self.target, refresh=self.cfg.adaptive == "refresh")
         return AdaptivePolicy(self.cost)

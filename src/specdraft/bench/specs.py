@@ -19,17 +19,26 @@ WITHOUT_PATH = ("none", "lookup", "hf-ar", "hf-lookup")
 
 def split_shape(spec: str) -> tuple[str, dict]:
     """'lookup@4x6' -> ('lookup', {beam_width: 4, beam_length: 6}); 'draft:P@g5' ->
-    ('draft:P', {gamma: 5}); no suffix -> (spec, {}). The suffix lets one run compare
-    shapes of the same drafter (each shape is its own row)."""
-    base, at, shape = spec.rpartition("@")
+    ('draft:P', {gamma: 5}); 'lookup@1x3/fixed' -> ('lookup', {..., adaptive: False});
+    'lookup@adaptive' -> ('lookup', {adaptive: True}); no suffix -> (spec, {}). The suffix
+    lets one run compare shapes of the same drafter, and the adaptive policy against fixed
+    shapes (each spec is its own row; without fixed/adaptive a row follows --adaptive)."""
+    base, at, suffix = spec.rpartition("@")
     if not at:
         return spec, {}
-    m = re.fullmatch(r"(\d+)x(\d+)|g(\d+)", shape)
-    if not m:
-        raise SpecdraftError(f"bad shape suffix in {spec!r}: use @WxL (beam width x length) or @gG (gamma)")
-    if m.group(3):
-        return base, {"gamma": int(m.group(3))}
-    return base, {"beam_width": int(m.group(1)), "beam_length": int(m.group(2))}
+    shape: dict = {}
+    for item in suffix.split("/"):
+        m = re.fullmatch(r"(\d+)x(\d+)|g(\d+)|(fixed|adaptive)", item)
+        if not m or (m.group(4) and "adaptive" in shape) or (not m.group(4) and len(shape) - ("adaptive" in shape)):
+            raise SpecdraftError(f"bad suffix in {spec!r}: use @WxL (beam width x length) or @gG (gamma), "
+                                 "optionally with /fixed or /adaptive (or @fixed, @adaptive alone)")
+        if m.group(4):
+            shape["adaptive"] = m.group(4) == "adaptive"
+        elif m.group(3):
+            shape["gamma"] = int(m.group(3))
+        else:
+            shape.update(beam_width=int(m.group(1)), beam_length=int(m.group(2)))
+    return base, shape
 
 
 def check_spec(spec: str) -> None:

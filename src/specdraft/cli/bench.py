@@ -109,7 +109,8 @@ def add_bench(subparsers) -> None:
     g = p.add_argument_group("methods")
     g.add_argument("--drafters", type=str_list, default=["none", "lookup"], metavar="LIST",
                    help="comma-separated: none, lookup, redrafter:PATH, medusa:PATH, draft:PATH (ours), hf-ar, "
-                        "hf-assisted:PATH, hf-lookup (transformers); a suffix @WxL or @gG sets one method's shape. "
+                        "hf-assisted:PATH, hf-lookup (transformers); a suffix @WxL or @gG sets one method's shape, "
+                        "@fixed or @adaptive (or /fixed, /adaptive after a shape) its policy, whatever --adaptive says. "
                         "'none' is always measured (default: none,lookup)")
     g.add_argument("--batch-sizes", type=int_list, default=[1], metavar="LIST", help="(default: 1)")
     g.add_argument("--temperatures", type=float_list, default=[0.0], metavar="LIST", help="0 = greedy (default: 0)")
@@ -186,9 +187,14 @@ def add_sweep(subparsers) -> None:
     shape.add_argument("--lengths", type=int_list, metavar="LIST", help="beam lengths L, g0 included (default: 3,5,8)")
     shape.add_argument("--gammas", type=int_list, metavar="LIST", help="draft tokens per step (draft:PATH only)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="(default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=1, metavar="B", help="(default: %(default)s)")
+    p.add_argument("--batch-sizes", "--batch-size", dest="batch_sizes", type=int_list, default=[1], metavar="LIST",
+                   help="the shape recorded is the fastest at the smallest (default: 1)")
     p.add_argument("--no-record", dest="record", action="store_false",
                    help="only measure; leave the drafter's config as it is")
+    p.add_argument("--adaptive", choices=("on", "off", "refresh"), default="on",
+                   help="on: also measure adaptive drafting (DRAFTER@adaptive: the drafter's default shape as "
+                        "its cap) against plain decoding and every fixed shape; refresh: re-measure the cost "
+                        "model first; off: fixed shapes only (default: %(default)s)")
     add_model_args(p)
     add_run_args(p)
     p.set_defaults(run=run_sweep_command)
@@ -202,11 +208,15 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         raise SpecdraftError("sweep measures one dataset at a time")
     resolve_dtype_arg(args)
     lengths = args.lengths if args.lengths or args.gammas else [3, 5, 8]
-    cfg = base_config(args, batch_sizes=[args.batch_size], temperatures=[args.temperature])
+    cfg = base_config(args, batch_sizes=args.batch_sizes, temperatures=[args.temperature], adaptive=args.adaptive)
     cfg.dtype = args.dtype
-    results = run_sweep(cfg, args.drafter, args.widths, lengths, args.gammas, record=args.record)
+    results = run_sweep(cfg, args.drafter, args.widths, lengths, args.gammas, record=args.record,
+                        adaptive=args.adaptive != "off")
     best = results["best"]
     where = f"; recorded in {best['recorded_in']}" if best["recorded_in"] else ""
     print(f"best shape: W={best['beam_width']} L={best['beam_length']}{where} (table: {args.out}/sweep.md)",
           file=sys.stderr)
+    for c in results["adaptive"]:
+        print(f"adaptive, B={c['batch_size']}: {c['adaptive']:.1f} tokens/s = {c['ratio']:.2f}x the best of none "
+              f"({c['none']:.1f}) and every fixed shape", file=sys.stderr)
     return 0

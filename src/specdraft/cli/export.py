@@ -29,7 +29,7 @@ def add_export(subparsers) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     from ..models import load_target, quiet_loading
-    from ..redrafter.export import export_trtllm
+    from ..heads.export import export_trtllm
 
     if args.format == "hf":
         from ..drafters.registry import checkpoint_path

@@ -49,6 +49,9 @@ def add_fit(subparsers) -> None:
                    help="training conversations (default: the packaged ShareGPT, every turn)")
     p.add_argument("--budget", type=str, metavar="DURATION", help="wall-clock limit of this run, e.g. 2h or 90m")
     p.add_argument("--tokens", type=str, metavar="N", help="extract at most N training tokens (e.g. 20M)")
+    p.add_argument("--data-offset", type=int, default=0, metavar="N",
+                   help="skip the first N training conversations, e.g. those a head given to --init-from "
+                        "was trained on (default: %(default)s)")
     p.add_argument("--extract-share", type=float, default=0.5, metavar="F",
                    help="with --budget: at most this share of it extracting (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=1024, metavar="T", help="(default: %(default)s)")
@@ -85,7 +88,7 @@ def config_from(args: argparse.Namespace):
     from ..train.fit import FitConfig
 
     config = FitConfig(out=Path(args.out), drafter=args.drafter, target=args.target, dtype=args.dtype, device=args.device,
-                       trust_remote_code=args.trust_remote_code, data=args.data, seq_len=args.seq_len,
+                       trust_remote_code=args.trust_remote_code, data=args.data, data_offset=args.data_offset, seq_len=args.seq_len,
                        tokens=parse_count(args.tokens) if args.tokens else None,
                        budget_seconds=parse_duration(args.budget) if args.budget else None,
                        extract_share=args.extract_share, heldout_prompts=args.heldout_prompts,

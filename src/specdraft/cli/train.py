@@ -97,9 +97,10 @@ def add_train_redrafter(subparsers) -> None:
 
 
 def run_train_redrafter(args: argparse.Namespace) -> int:
-    from ..train.redrafter import run
+    from ..train.configs import HeadTrainConfig
+    from ..train.heads import run
 
-    return run(args)
+    return run(HeadTrainConfig.from_options(args))
 
 
 # ---- train draft ------------------------------------------------------------------------
@@ -209,9 +210,10 @@ def add_draft_loss_args(p) -> None:
 
 
 def run_train_draft(args: argparse.Namespace) -> int:
+    from ..train.configs import DraftTrainConfig
     from ..train.draft import run
 
-    return run(args)
+    return run(DraftTrainConfig.from_options(args))
 
 
 # name -> function adding ``specdraft train NAME``'s parser to the train subparsers.

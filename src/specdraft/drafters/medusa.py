@@ -12,8 +12,8 @@ import torch
 
 from .. import fastpath
 from ..errors import SpecdraftError
-from ..redrafter.beam_search import independent_beam_search
-from ..redrafter.medusa import MedusaHeads
+from ..heads.beam_search import independent_beam_search
+from ..heads.medusa import MedusaHeads
 from .base import DraftContext, Drafter, Proposal
 from .redrafter import beam_confidence, beam_shape
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from .. import fastpath
-from ..redrafter.beam_search import redrafter_beam_search
-from ..redrafter.model import ReDrafterHead
+from ..heads.beam_search import redrafter_beam_search
+from ..heads.model import ReDrafterHead
 from .base import DraftContext, Drafter, Proposal, check_shapes
 
 

@@ -12,7 +12,7 @@ trainable weights, optimizer, LR scheduler, RNG states and the ``TrainState`` (s
 tokens seen, the plan's signature); resuming from it replays nothing and skips nothing,
 and on CPU gives bitwise the weights of an uninterrupted run.
 
-A task (e.g. ``train.redrafter.HeadTask``) supplies the model-specific parts:
+A task (e.g. ``train.heads.HeadTask``) supplies the model-specific parts:
 ``micro_batch(indices)`` (data only), ``counts(micro)`` (per-loss-term token counts, summed
 over the whole step and all processes to normalise the loss exactly, whatever the
 accumulation or process split), ``loss(micro, denom)`` -> (loss, stats), ``sync()`` at
@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SpecdraftError
+from .hidden_cache import HiddenCache
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"  # written into a checkpoint folder once every process has saved
@@ -427,3 +428,42 @@ def finish_run(accelerator, main: bool, finished: bool, state: TrainState, plan:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return 0
+
+
+# ---- the scaffold every trainer shares ---------------------------------------------------
+
+
+def resume_point(out: Path, resume: bool) -> Path | None:
+    """The checkpoint to resume from; refuses to start over a run that has checkpoints."""
+    latest = latest_checkpoint(out)
+    if latest is not None and not resume:
+        raise SpecdraftError(f"{out} already holds checkpoints; pass --resume to continue, or use another --out")
+    return latest
+
+
+def load_target_for(config, accelerator):
+    """The frozen target on this process's device: under a launcher each process has its
+    own (cuda:<local rank>), so the accelerator decides unless --device cpu."""
+    from ..models import load_target, quiet_loading
+
+    device = "cpu" if config.device == "cpu" else str(accelerator.device)
+    if config.device.startswith("cuda") and accelerator.device.type != "cuda":
+        raise SpecdraftError("--device cuda was asked for, but no CUDA device is available")
+    with quiet_loading():
+        return load_target(config.target, device, config.dtype, config.trust_remote_code)
+
+
+def open_hidden_cache(config, accelerator, target, examples) -> HiddenCache | None:
+    """The trainer's hidden-state cache (``config.hidden_cache``), or None; created by the
+    main process, opened by each for its own shards."""
+    from ..checkpoint import target_signature
+
+    if not config.hidden_cache:
+        return None
+
+    manifest = {"target": target_signature(target), "dtype": str(target.dtype).replace("torch.", ""),
+                "data": examples.fingerprint(), "seq_len": config.seq_len, "format": 1}
+    if accelerator.is_main_process:
+        HiddenCache.create(config.hidden_cache, manifest)
+    accelerator.wait_for_everyone()
+    return HiddenCache(config.hidden_cache, manifest, rank=accelerator.process_index)

@@ -30,7 +30,7 @@ import torch
 
 from ..data.chat import IGNORE, encode_conversation, encode_prompt
 from ..errors import SpecdraftError
-from ..redrafter.model import future_labels
+from ..heads.model import future_labels
 
 
 @dataclass
@@ -62,6 +62,15 @@ class ExampleSet:
 
     def __getitem__(self, i: int) -> Example:
         return self._make(i)
+
+    def skip(self, n: int) -> "ExampleSet":
+        """The examples after the first ``n`` (same order), e.g. data a warm-started head
+        has not seen; ``describe`` records the offset."""
+        if n == 0:
+            return self
+        if not 0 < n < len(self.keys):
+            raise SpecdraftError(f"cannot skip {n} of {len(self.keys)} examples")
+        return ExampleSet(self.keys[n:], lambda i: self._make(i + n), {**self.describe, "skipped": n})
 
     def fingerprint(self) -> str:
         return hashlib.sha256("\n".join(self.keys).encode("utf-8")).hexdigest()[:16]

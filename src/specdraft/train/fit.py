@@ -70,6 +70,7 @@ class FitConfig:
     data: str = "sharegpt"
     seq_len: int = 1024
     tokens: int | None = None
+    data_offset: int = 0  # skip the first N training conversations (data a warm start has seen)
     budget_seconds: float | None = None
     extract_share: float = 0.5
     heldout_prompts: int = 64
@@ -109,6 +110,8 @@ class FitConfig:
             raise SpecdraftError(f"fit trains redrafter or medusa heads, got {self.drafter!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise SpecdraftError(f"max-steps must be >= 1, got {self.max_steps}")
+        if self.data_offset < 0:
+            raise SpecdraftError(f"data-offset must be >= 0, got {self.data_offset}")
         if self.tokens is not None and self.tokens < 1:
             raise SpecdraftError(f"tokens must be >= 1, got {self.tokens}")
         if self.budget_seconds is not None and not self.budget_seconds > 0:
@@ -150,7 +153,7 @@ class CorpusTask:
         pass
 
     def log_fields(self, stats: torch.Tensor, seconds: float, num_processes: int) -> dict:
-        from .redrafter import STATS
+        from .heads import STATS
 
         K = self.K
         per = stats[: K * len(STATS)].view(K, len(STATS)).tolist()
@@ -221,7 +224,8 @@ def build_corpora(config: FitConfig, target, budget: Budget) -> tuple[Corpus, Co
         # Training has begun on the corpus as it stands (its checkpoints record which chunks):
         # extending it now would change the data under the schedule, so a rerun trains on.
         return Corpus(out / "corpus"), Corpus(out / "heldout-corpus")
-    train = load_examples(config.data, target.tokenizer, seq_len=config.seq_len, K=config.K, eos_ids=target.eos_ids)
+    train = load_examples(config.data, target.tokenizer, seq_len=config.seq_len, K=config.K,
+                          eos_ids=target.eos_ids).skip(config.data_offset)
     report = extract(target, train, out / "corpus", corpus_manifest(target, train, config.seq_len),
                      max_tokens=config.tokens, deadline=budget.deadline(config.extract_share),
                      progress=config.progress)
@@ -269,8 +273,8 @@ def sigterm_as_interrupt():
 def build_objective(config: FitConfig, target, vocab: DraftVocab | None):
     """The head (fresh, or ``init_from``'s weights) and its loss, in float32."""
     from ..drafters.registry import checkpoint_path
-    from ..redrafter import MedusaHeads, ReDrafterHead
-    from .redrafter import HeadObjective
+    from ..heads import MedusaHeads, ReDrafterHead
+    from .heads import HeadObjective
 
     if config.drafter == "medusa":  # Medusa's own init: zero blocks, own heads = the target's head rows
         head = MedusaHeads.for_target(target, num_heads=config.K, num_blocks=config.num_blocks, head=config.head,
@@ -284,7 +288,7 @@ def build_objective(config: FitConfig, target, vocab: DraftVocab | None):
         warm_start(head, type(head).load(checkpoint_path(config.drafter, config.init_from), target))
     elif config.head == "shared" and config.drafter == "redrafter":
         with torch.no_grad():
-            head.proj.weight.zero_()  # uniform start (see train.redrafter.build_head)
+            head.proj.weight.zero_()  # uniform start (see train.heads.build_head)
     return HeadObjective(head.float(), config.K)
 
 

@@ -49,7 +49,7 @@ model-specific half), ``checks`` (the options) and ``command`` (``run``).
 from __future__ import annotations
 
 from .batches import PositionBatch, collate_positions
-from .checks import check_args, parse_layers
+from .checks import check_config, parse_layers
 from .command import DEFAULT_LR, EVAL_LOG, STAGES, BuiltDraft, run
 from .data import PackedSet, answer_vocabulary, eval_examples_from, finetune_data, pretrain_data
 from .evaluate import EVAL_STATS, Evaluator
@@ -64,7 +64,7 @@ from .task import DraftTask, prompt_of
 __all__ = [
     "BuiltDraft", "DEFAULT_LAYERS", "DEFAULT_LR", "DraftObjective", "DraftShape", "DraftTask", "EVAL_LOG",
     "EVAL_STATS", "Evaluator", "MAX_DEFAULT_HIDDEN", "PackedSet", "PositionBatch", "STAGES", "STATS", "TOTALS",
-    "TargetFacts", "answer_vocabulary", "borrow_embeddings", "build_draft", "calibrate_output_scale", "check_args",
+    "TargetFacts", "answer_vocabulary", "borrow_embeddings", "build_draft", "calibrate_output_scale", "check_config",
     "choose_shape", "collate_positions", "complete_shape", "draft_config", "embedding_basis", "eval_examples_from",
     "finetune_data", "init_from_target", "load_draft", "parse_layers", "pretrain_data", "prompt_of", "run",
     "save_draft", "shape_of", "standalone_draft", "target_hidden",

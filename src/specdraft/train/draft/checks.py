@@ -19,39 +19,39 @@ def parse_layers(text: str | None) -> list[int] | None:
     return layers
 
 
-def check_args(args) -> None:
+def check_config(config) -> None:
     """Raise a SpecdraftError for the first option out of range or clashing with another."""
     for name in ("batch_size", "grad_accum", "epochs", "save_every", "log_every", "eval_examples", "gamma",
                  "loss_chunk", "tvdpp_samples"):
-        if getattr(args, name) < 1:
-            raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.seq_len < 2:
-        raise SpecdraftError(f"--seq-len must be >= 2, got {args.seq_len}")
-    if args.eval_every < 0:
-        raise SpecdraftError(f"--eval-every must be >= 0, got {args.eval_every}")
-    if (args.lr is not None and not args.lr > 0) or not 0 <= args.warmup < 1:
+        if getattr(config, name) < 1:
+            raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(config, name)}")
+    if config.seq_len < 2:
+        raise SpecdraftError(f"--seq-len must be >= 2, got {config.seq_len}")
+    if config.eval_every < 0:
+        raise SpecdraftError(f"--eval-every must be >= 0, got {config.eval_every}")
+    if (config.lr is not None and not config.lr > 0) or not 0 <= config.warmup < 1:
         raise SpecdraftError("need --lr > 0 and 0 <= --warmup < 1")
-    if not args.temperature > 0:
-        raise SpecdraftError(f"--temperature must be > 0, got {args.temperature}")
-    if not 0 < args.max_fraction <= 1:
-        raise SpecdraftError(f"--max-fraction must be in (0, 1], got {args.max_fraction}")
-    if args.limit is not None and args.limit < 1:
-        raise SpecdraftError(f"--limit must be >= 1, got {args.limit}")
-    if args.heldout_fraction is not None and not 0 <= args.heldout_fraction < 1:
-        raise SpecdraftError(f"--heldout-fraction must be in [0, 1), got {args.heldout_fraction}")
-    shape_given = any(getattr(args, k) is not None for k in ("layers", "hidden", "heads", "kv_heads", "intermediate"))
-    if args.draft and (shape_given or args.init_from_target or args.copy_layers):
+    if not config.temperature > 0:
+        raise SpecdraftError(f"--temperature must be > 0, got {config.temperature}")
+    if not 0 < config.max_fraction <= 1:
+        raise SpecdraftError(f"--max-fraction must be in (0, 1], got {config.max_fraction}")
+    if config.limit is not None and config.limit < 1:
+        raise SpecdraftError(f"--limit must be >= 1, got {config.limit}")
+    if config.heldout_fraction is not None and not 0 <= config.heldout_fraction < 1:
+        raise SpecdraftError(f"--heldout-fraction must be in [0, 1), got {config.heldout_fraction}")
+    shape_given = any(getattr(config, k) is not None for k in ("layers", "hidden", "heads", "kv_heads", "intermediate"))
+    if config.draft and (shape_given or config.init_from_target or config.copy_layers):
         raise SpecdraftError("--draft PATH continues an existing draft: its shape and weights are given; drop "
                              "--layers/--hidden/--heads/--kv-heads/--intermediate/--init-from-target/--copy-layers")
-    if args.draft_vocab < 0:
-        raise SpecdraftError(f"--draft-vocab must be >= 0, got {args.draft_vocab}")
-    if args.embeddings == "target" and not args.draft and not (args.copy_layers or args.init_from_target):
+    if config.draft_vocab < 0:
+        raise SpecdraftError(f"--draft-vocab must be >= 0, got {config.draft_vocab}")
+    if config.embeddings == "target" and not config.draft and not (config.copy_layers or config.init_from_target):
         raise SpecdraftError("--embeddings target needs --copy-layers or --init-from-target (the draft starts "
                              "from the target's matrix)")
-    if args.stage == "pretrain" and args.hidden_cache:
+    if config.stage == "pretrain" and config.hidden_cache:
         raise SpecdraftError("--hidden-cache is for --stage finetune (pretraining never runs the target)")
-    if args.on_policy and (args.stage != "finetune" or args.hidden_cache):
+    if config.on_policy and (config.stage != "finetune" or config.hidden_cache):
         raise SpecdraftError("--on-policy is for --stage finetune, without --hidden-cache (the sequences change "
                              "every step)")
-    if args.on_policy_tokens < 1:
-        raise SpecdraftError(f"--on-policy-tokens must be >= 1, got {args.on_policy_tokens}")
+    if config.on_policy_tokens < 1:
+        raise SpecdraftError(f"--on-policy-tokens must be >= 1, got {config.on_policy_tokens}")

@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from ...drafters.draft_model import save_vocab
+from ..configs import DraftTrainConfig
 from ..common import (HeldOut, JsonLog, LoopOptions, Plan, TrainState, cosine_schedule, describe, finish_run,
-                      make_accelerator, train_loop)
-from .checks import check_args, parse_layers
+                      load_target_for, make_accelerator, open_hidden_cache, resume_point, train_loop)
+from .checks import check_config, parse_layers
 from .data import answer_vocabulary, eval_examples_from, finetune_data, pretrain_data
 from .evaluate import Evaluator
 from .export import save_draft
@@ -45,81 +46,81 @@ class BuiltDraft:
     parameters: int  # its own parameters (borrowed matrices not counted)
 
 
-def training_data(args, target) -> tuple:
+def training_data(config, target) -> tuple:
     """(training set, held-out examples (at most --eval-examples), the data's description)."""
-    if args.stage == "pretrain":
-        train, held, data_describe = pretrain_data(args, target)
+    if config.stage == "pretrain":
+        train, held, data_describe = pretrain_data(config, target)
     else:
-        train, held, data_describe = finetune_data(args, target)
-    if args.eval_data:
-        held = eval_examples_from(args.eval_data, args, target)
-    return train, held[: args.eval_examples], data_describe
+        train, held, data_describe = finetune_data(config, target)
+    if config.eval_data:
+        held = eval_examples_from(config.eval_data, config, target)
+    return train, held[: config.eval_examples], data_describe
 
 
-def prepare_draft(args, target, facts: TargetFacts, copy_layers: list[int] | None, train) -> BuiltDraft:
+def prepare_draft(config, target, facts: TargetFacts, copy_layers: list[int] | None, train) -> BuiltDraft:
     """The draft: continued from a folder, or built (the same way on every process and
     rerun), with the target's embeddings if borrowed and its vocabulary if --draft-vocab."""
     from ...drafters.draft_model import shared_parameters
     from ...models import parameter_count
 
     history: list = []
-    if args.draft:
-        draft, meta = load_draft(args.draft, target)
+    if config.draft:
+        draft, meta = load_draft(config.draft, target)
         history = list(meta.get("stages", []))
-        shape, how = shape_of(draft), f"from {args.draft}"
-        init = {"source": str(args.draft), **(meta.get("init") or {})}
+        shape, how = shape_of(draft), f"from {config.draft}"
+        init = {"source": str(config.draft), **(meta.get("init") or {})}
     else:
-        shape, how = choose_shape(facts, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                                  kv_heads=args.kv_heads, intermediate=args.intermediate, tie=args.tie_embeddings,
-                                  copy_layers=copy_layers, max_fraction=args.max_fraction)
-        draft = build_draft(target, shape, from_target=args.init_from_target, copy_layers=copy_layers, seed=args.seed)
-        init = {"from_target": bool(args.init_from_target or copy_layers), "copy_layers": copy_layers,
-                "seed": args.seed}
-    borrow = bool(args.embeddings == "target" or (args.draft and meta.get("embeddings") == "target"))
+        shape, how = choose_shape(facts, layers=config.layers, hidden=config.hidden, heads=config.heads,
+                                  kv_heads=config.kv_heads, intermediate=config.intermediate, tie=config.tie_embeddings,
+                                  copy_layers=copy_layers, max_fraction=config.max_fraction)
+        draft = build_draft(target, shape, from_target=config.init_from_target, copy_layers=copy_layers, seed=config.seed)
+        init = {"from_target": bool(config.init_from_target or copy_layers), "copy_layers": copy_layers,
+                "seed": config.seed}
+    borrow = bool(config.embeddings == "target" or (config.draft and meta.get("embeddings") == "target"))
     if borrow:
         borrow_embeddings(draft, target, facts)
-    vocab, vocab_coverage = answer_vocabulary(train, target, args.draft_vocab) if args.draft_vocab else (None, None)
+    vocab, vocab_coverage = answer_vocabulary(train, target, config.draft_vocab) if config.draft_vocab else (None, None)
     own = parameter_count(draft) - shared_parameters(draft)
     draft.to(target.device)
     return BuiltDraft(draft, shape, how, init, history, borrow, vocab, vocab_coverage, own)
 
 
-def run_signature(args, plan: Plan, train, draft: BuiltDraft, lr: float, loss_name: str) -> dict:
+def run_signature(config, plan: Plan, train, draft: BuiltDraft, lr: float, loss_name: str) -> dict:
     """What a checkpoint must have been made with to be resumed (``TrainState``)."""
     tvdpp = loss_name == "tvdpp"
-    return {**plan.signature(), "data": train.fingerprint(), "stage": args.stage, "seq_len": args.seq_len,
-            "loss": loss_name, "variant": args.tvdpp_variant if tvdpp else None,
-            "samples": args.tvdpp_samples if tvdpp and args.tvdpp_variant == "sampled" else None,
-            "temperature": args.temperature, "epochs": args.epochs, "max_steps": args.max_steps, "lr": lr,
-            "on_policy": args.on_policy_tokens if args.on_policy else 0, "target": args.target,
+    return {**plan.signature(), "data": train.fingerprint(), "stage": config.stage, "seq_len": config.seq_len,
+            "loss": loss_name, "variant": config.tvdpp_variant if tvdpp else None,
+            "samples": config.tvdpp_samples if tvdpp and config.tvdpp_variant == "sampled" else None,
+            "temperature": config.temperature, "epochs": config.epochs, "max_steps": config.max_steps, "lr": lr,
+            "on_policy": config.on_policy_tokens if config.on_policy else 0, "target": config.target,
             "shape": asdict(draft.shape), "init": draft.init, "embeddings": "target" if draft.borrow else "own"}
 
 
-def run_record(args, lr: float, data_describe: dict, plan: Plan, draft: BuiltDraft, facts: TargetFacts,
+def run_record(config, lr: float, data_describe: dict, plan: Plan, draft: BuiltDraft, facts: TargetFacts,
                heldout_examples: int) -> dict:
     """OUT/train_args.json: the command line, the options (with the learning rate used), the
     data, the plan and the draft's shape."""
-    options = {k: v for k, v in vars(args).items() if k != "run" and not callable(v)}
+    options = asdict(config)
     return {"argv": list(sys.argv), "options": {**options, "lr": lr}, "data": data_describe, "plan": describe(plan),
             "shape": asdict(draft.shape), "shape_choice": draft.how, "parameters": draft.parameters,
             "target_parameters": facts.parameters, "heldout_examples": heldout_examples}
 
 
-def scheduled_evaluation(args, held: list, target, facts: TargetFacts, draft: BuiltDraft, accelerator, model,
+def scheduled_evaluation(config, held: list, target, facts: TargetFacts, draft: BuiltDraft, accelerator, model,
                          state: TrainState, plan: Plan) -> HeldOut | None:
     """Held-out scoring on the training schedule (None without held-out examples), written
     to OUT/eval.jsonl."""
-    evaluator = Evaluator(held, target, batch_size=args.batch_size, chunk=args.loss_chunk, gamma=args.gamma,
+    evaluator = Evaluator(held, target, batch_size=config.batch_size, chunk=config.loss_chunk, gamma=config.gamma,
                           target_parameters=facts.parameters, vocab=draft.vocab) if held else None
     # Made even without an evaluator: it trims entries past the resumed step, like the log.
-    eval_log = JsonLog(Path(args.out), state.step, accelerator.is_main_process, name=EVAL_LOG)
+    eval_log = JsonLog(Path(config.out), state.step, accelerator.is_main_process, name=EVAL_LOG)
     if evaluator is None:
         return None
-    return HeldOut(lambda: evaluator(accelerator, accelerator.unwrap_model(model).draft), args.eval_every,
+    return HeldOut(lambda: evaluator(accelerator, accelerator.unwrap_model(model).draft), config.eval_every,
                    state, plan.total_steps, eval_log)
 
 
-def announce(args, draft: BuiltDraft, facts: TargetFacts, loss_name: str, sizes: tuple[int, int], plan: Plan,
+def announce(config, draft: BuiltDraft, facts: TargetFacts, loss_name: str, sizes: tuple[int, int], plan: Plan,
              resumed_at: int | None) -> None:
     """The run in a few lines on stderr: the draft, its embeddings and vocabulary, the
     stage and its data (``sizes``: training and held-out sequences)."""
@@ -132,7 +133,7 @@ def announce(args, draft: BuiltDraft, facts: TargetFacts, loss_name: str, sizes:
     if draft.vocab is not None:
         print(f"specdraft: draft vocabulary of {draft.vocab.size} tokens: {100 * draft.vocab_coverage:.1f}% of the "
               f"training answer tokens", file=sys.stderr)
-    print(f"specdraft: {args.stage} ({loss_name}{'/' + args.tvdpp_variant if loss_name == 'tvdpp' else ''}) "
+    print(f"specdraft: {config.stage} ({loss_name}{'/' + config.tvdpp_variant if loss_name == 'tvdpp' else ''}) "
           f"on {sizes[0]} sequences, {sizes[1]} held out, {plan.total_steps} steps{where}", file=sys.stderr)
 
 
@@ -144,7 +145,7 @@ def score_before_training(held_out: HeldOut, main: bool) -> None:
               f"{first['eval_greedy_accept']:.3f}), CE {first['eval_ce']:.3f}", file=sys.stderr)
 
 
-def save_final(args, out: Path, trained, target, draft: BuiltDraft, facts: TargetFacts, state: TrainState,
+def save_final(config, out: Path, trained, target, draft: BuiltDraft, facts: TargetFacts, state: TrainState,
                record: dict, loss_name: str) -> tuple[Path, str]:
     """OUT/final: the trained draft (``trained``), its vocabulary, and a specdraft.json
     whose stages are the continued folder's and this one (with its last evaluation)."""
@@ -154,8 +155,8 @@ def save_final(args, out: Path, trained, target, draft: BuiltDraft, facts: Targe
     if (out / EVAL_LOG).is_file():
         lines = (out / EVAL_LOG).read_text().splitlines()
         last = json.loads(lines[-1]) if lines else {}
-    stage = {"stage": args.stage, "loss": loss_name, "on_policy": bool(args.on_policy),
-             "tvdpp_variant": args.tvdpp_variant if loss_name == "tvdpp" else None, "data": record["data"],
+    stage = {"stage": config.stage, "loss": loss_name, "on_policy": bool(config.on_policy),
+             "tvdpp_variant": config.tvdpp_variant if loss_name == "tvdpp" else None, "data": record["data"],
              "steps": state.step, "tokens": state.tokens, "options": record["options"], "argv": record["argv"],
              "eval": last}
     vocab, n_draft = draft.vocab, draft.parameters
@@ -165,60 +166,58 @@ def save_final(args, out: Path, trained, target, draft: BuiltDraft, facts: Targe
             "target_parameters": facts.parameters, "parameters": n_draft,
             "fraction": round(n_draft / facts.parameters, 5), "shape": asdict(draft.shape), "init": draft.init,
             "stages": draft.history + [stage]}
-    final = save_draft(trained, target.tokenizer, out / "final", meta, dtype=args.save_dtype)
+    final = save_draft(trained, target.tokenizer, out / "final", meta, dtype=config.save_dtype)
     if vocab is not None:
         save_vocab(vocab, final)
     return final, "draft"
 
 
-def run(args) -> int:
-    """Train as the parsed ``train draft`` options say; returns the exit code."""
+def run(config: DraftTrainConfig) -> int:
+    """Train one stage as ``config`` says; returns the exit code."""
     from accelerate.utils import set_seed
 
-    from ..redrafter import load_target_for, open_hidden_cache, resume_point
-
-    check_args(args)
-    copy_layers = parse_layers(args.copy_layers)
-    out = Path(args.out)
-    accelerator = make_accelerator(cpu=args.device == "cpu", mixed_precision=args.mixed_precision)
+    check_config(config)
+    copy_layers = parse_layers(config.copy_layers)
+    out = Path(config.out)
+    accelerator = make_accelerator(cpu=config.device == "cpu", mixed_precision=config.mixed_precision)
     main = accelerator.is_main_process
-    resume_from = resume_point(out, args.resume)
-    target = load_target_for(args, accelerator)
+    resume_from = resume_point(out, config.resume)
+    target = load_target_for(config, accelerator)
     facts = TargetFacts.of(target)
-    train, held, data_describe = training_data(args, target)
-    draft = prepare_draft(args, target, facts, copy_layers, train)
+    train, held, data_describe = training_data(config, target)
+    draft = prepare_draft(config, target, facts, copy_layers, train)
 
-    plan = Plan(len(train), args.batch_size, args.grad_accum, accelerator.num_processes, args.epochs,
-                args.max_steps, args.seed)
-    set_seed(args.seed)
-    lr = args.lr if args.lr is not None else DEFAULT_LR[args.stage]
-    loss_name = "ce" if args.stage == "pretrain" else args.loss
-    model = DraftObjective(draft.model, args.stage, loss_name, args.tvdpp_variant, args.tvdpp_samples,
-                           args.temperature, args.loss_chunk, target_logits=target.logits, vocab=draft.vocab)
+    plan = Plan(len(train), config.batch_size, config.grad_accum, accelerator.num_processes, config.epochs,
+                config.max_steps, config.seed)
+    set_seed(config.seed)
+    lr = config.lr if config.lr is not None else DEFAULT_LR[config.stage]
+    loss_name = "ce" if config.stage == "pretrain" else config.loss
+    model = DraftObjective(draft.model, config.stage, loss_name, config.tvdpp_variant, config.tvdpp_samples,
+                           config.temperature, config.loss_chunk, target_logits=target.logits, vocab=draft.vocab)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                                  weight_decay=args.weight_decay)
-    scheduler = cosine_schedule(optimizer, plan.total_steps, args.warmup)
+                                  weight_decay=config.weight_decay)
+    scheduler = cosine_schedule(optimizer, plan.total_steps, config.warmup)
     model, optimizer = accelerator.prepare(model, optimizer)
-    state = TrainState(run_signature(args, plan, train, draft, lr, loss_name))
+    state = TrainState(run_signature(config, plan, train, draft, lr, loss_name))
     accelerator.register_for_checkpointing(scheduler, state)
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
-    cache = open_hidden_cache(args, accelerator, target, train) if args.stage == "finetune" else None
+    cache = open_hidden_cache(config, accelerator, target, train) if config.stage == "finetune" else None
 
-    held_out = scheduled_evaluation(args, held, target, facts, draft, accelerator, model, state, plan)
-    task = DraftTask(args.stage, train, target, cache, accelerator=accelerator, model=model, held_out=held_out,
-                     on_policy_tokens=args.on_policy_tokens if args.on_policy else 0, seq_len=args.seq_len)
-    record = run_record(args, lr, data_describe, plan, draft, facts, len(held))
+    held_out = scheduled_evaluation(config, held, target, facts, draft, accelerator, model, state, plan)
+    task = DraftTask(config.stage, train, target, cache, accelerator=accelerator, model=model, held_out=held_out,
+                     on_policy_tokens=config.on_policy_tokens if config.on_policy else 0, seq_len=config.seq_len)
+    record = run_record(config, lr, data_describe, plan, draft, facts, len(held))
     if main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "train_args.json").write_text(json.dumps(record, indent=2, default=str))
-        announce(args, draft, facts, loss_name, (len(train), len(held)), plan,
+        announce(config, draft, facts, loss_name, (len(train), len(held)), plan,
                  state.step if resume_from is not None else None)
     if resume_from is None and held_out is not None:
         score_before_training(held_out, main)
-    opts = LoopOptions(out=out, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
-                       log_every=args.log_every, stop_after_steps=args.stop_after_steps,
-                       max_grad_norm=args.max_grad_norm, progress=not args.no_progress)
+    opts = LoopOptions(out=out, save_every=config.save_every, keep_checkpoints=config.keep_checkpoints,
+                       log_every=config.log_every, stop_after_steps=config.stop_after_steps,
+                       max_grad_norm=config.max_grad_norm, progress=not config.no_progress)
     finished = train_loop(accelerator, task, model, optimizer, scheduler, plan, state, opts)
     return finish_run(accelerator, main, finished, state, plan, lambda: save_final(
-        args, out, accelerator.unwrap_model(model).draft, target, draft, facts, state, record, loss_name))
+        config, out, accelerator.unwrap_model(model).draft, target, draft, facts, state, record, loss_name))

@@ -49,7 +49,7 @@ def answer_vocabulary(train, target, size: int):
     return vocab, round(vocab.coverage(counts), 4)
 
 
-def pretrain_data(args, target) -> tuple[PackedSet, list[Example], dict]:
+def pretrain_data(config, target) -> tuple[PackedSet, list[Example], dict]:
     """Packed training sequences, held-out sequences, and the data's description."""
     from ...data.sharegpt import HELDOUT_FRACTION, load_conversations, split_of
     from ...data.text import (expand_paths, iter_dataset_documents, iter_file_documents, pack, stream_fingerprint,
@@ -57,32 +57,32 @@ def pretrain_data(args, target) -> tuple[PackedSet, list[Example], dict]:
 
     tok = target.tokenizer
     eos = tok.eos_token_id if tok.eos_token_id is not None else (min(target.eos_ids) if target.eos_ids else None)
-    frac = HELDOUT_FRACTION if args.heldout_fraction is None else args.heldout_fraction
+    frac = HELDOUT_FRACTION if config.heldout_fraction is None else config.heldout_fraction
     ids: list[int] = []
     held_ids: list[int] = []
-    describe: dict = {"source": [], "seq_len": args.seq_len}
-    if args.text:
-        paths = expand_paths(args.text)
-        paths = paths[: args.limit] if args.limit else paths
+    describe: dict = {"source": [], "seq_len": config.seq_len}
+    if config.text:
+        paths = expand_paths(config.text)
+        paths = paths[: config.limit] if config.limit else paths
         part, n = token_stream(tok, iter_file_documents(paths), eos)
         ids += part
         describe["source"].append("text")
-        describe["text"] = {"specs": list(args.text), "files": len(paths), "documents": n, "tokens": len(part)}
-    if args.dataset:
-        part, n = token_stream(tok, iter_dataset_documents(args.dataset, args.dataset_split, args.dataset_field,
-                                                           args.limit), eos)
+        describe["text"] = {"specs": list(config.text), "files": len(paths), "documents": n, "tokens": len(part)}
+    if config.dataset:
+        part, n = token_stream(tok, iter_dataset_documents(config.dataset, config.dataset_split, config.dataset_field,
+                                                           config.limit), eos)
         ids += part
         describe["source"].append("dataset")
-        describe["dataset"] = {"name": args.dataset, "split": args.dataset_split, "field": args.dataset_field,
+        describe["dataset"] = {"name": config.dataset, "split": config.dataset_split, "field": config.dataset_field,
                                "documents": n, "tokens": len(part)}
-    if args.data:
+    if config.data:
         from ...data.chat import encode_conversation
 
-        if not (args.data == "sharegpt" or args.data.endswith(".json")):
+        if not (config.data == "sharegpt" or config.data.endswith(".json")):
             raise SpecdraftError("--stage pretrain reads --text files, --dataset, or --data sharegpt|FILE.json")
-        path = None if args.data == "sharegpt" else args.data
+        path = None if config.data == "sharegpt" else config.data
         for split, sink in (("train", ids), ("heldout", held_ids)):
-            convs, stats = load_conversations(path, split, args.limit if split == "train" else args.eval_examples,
+            convs, stats = load_conversations(path, split, config.limit if split == "train" else config.eval_examples,
                                               frac)
             for c in convs:
                 sink.extend(encode_conversation(tok, c.messages, None, eos_ids=target.eos_ids,
@@ -93,9 +93,9 @@ def pretrain_data(args, target) -> tuple[PackedSet, list[Example], dict]:
                                         "heldout_fraction": frac, "read": stats.summary()}
     if not describe["source"]:
         raise SpecdraftError("--stage pretrain needs data: --text FILES, --data sharegpt or --dataset NAME")
-    if args.max_tokens:
-        ids = ids[: args.max_tokens]
-    chunks = pack(ids, args.seq_len)
+    if config.max_tokens:
+        ids = ids[: config.max_tokens]
+    chunks = pack(ids, config.seq_len)
     # Held out: whole sequences picked by a hash of their index (and ShareGPT's own
     # held-out split); at least one when there are two or more.
     train, held = [], []
@@ -103,14 +103,14 @@ def pretrain_data(args, target) -> tuple[PackedSet, list[Example], dict]:
         (held if split_of(f"chunk-{i}", frac) == "heldout" else train).append(c)
     if not held and len(train) > 1 and not held_ids:
         held.append(train.pop())
-    held += pack(held_ids, args.seq_len) if held_ids else []
+    held += pack(held_ids, config.seq_len) if held_ids else []
     describe.update(tokens=len(ids), sequences=len(train), heldout_sequences=len(held), heldout_fraction=frac)
-    train_set = PackedSet(train, "chunk", describe, stream_fingerprint(ids) + f"-{args.seq_len}-{frac}")
+    train_set = PackedSet(train, "chunk", describe, stream_fingerprint(ids) + f"-{config.seq_len}-{frac}")
     held_examples = [Example(key=f"held{i}", input_ids=c, labels=[IGNORE] + c[1:]) for i, c in enumerate(held)]
     return train_set, held_examples, describe
 
 
-def finetune_data(args, target):
+def finetune_data(config, target):
     """Training examples (an ``ExampleSet``: distill response records or ShareGPT
     conversations, labels on the response / assistant tokens), held-out examples, and the
     data's description. Distill records are held out by a hash of their prompt id, so all
@@ -119,13 +119,13 @@ def finetune_data(args, target):
     from ...data.sharegpt import HELDOUT_FRACTION, load_conversations, split_of
     from ..examples import conversation_examples, load_examples, record_examples
 
-    if args.text or args.dataset:
+    if config.text or config.dataset:
         raise SpecdraftError("--stage finetune trains on --data (a `specdraft distill` JSONL file or sharegpt); "
                              "--text and --dataset are for --stage pretrain")
-    spec = args.data or "sharegpt"
-    frac = HELDOUT_FRACTION if args.heldout_fraction is None else args.heldout_fraction
+    spec = config.data or "sharegpt"
+    frac = HELDOUT_FRACTION if config.heldout_fraction is None else config.heldout_fraction
     if spec.endswith(".jsonl"):
-        records = read_records(spec)[: args.limit]
+        records = read_records(spec)[: config.limit]
         kinds = sorted({str(r.get("kind")) for r in records})
         if kinds != ["response"]:
             raise SpecdraftError(f"{spec}: fine-tuning needs `specdraft distill --mode responses` records, found "
@@ -137,37 +137,37 @@ def finetune_data(args, target):
             held_r = [r for r in train_r if str(r["prompt_id"]) == last]
             train_r = [r for r in train_r if str(r["prompt_id"]) != last]
         describe = {"source": "distill", "path": spec, "records": len(train_r), "heldout_records": len(held_r),
-                    "heldout_fraction": frac, "seq_len": args.seq_len,
+                    "heldout_fraction": frac, "seq_len": config.seq_len,
                     "temperatures": sorted({float(r.get("temperature", 0.0)) for r in records})}
-        train = record_examples(train_r, target.tokenizer, args.seq_len, 1, describe)
-        held = record_examples(held_r, target.tokenizer, args.seq_len, 1, describe) if held_r else None
+        train = record_examples(train_r, target.tokenizer, config.seq_len, 1, describe)
+        held = record_examples(held_r, target.tokenizer, config.seq_len, 1, describe) if held_r else None
         held_examples = [held[i] for i in range(len(held))] if held is not None else []
     else:
-        train = load_examples(spec, target.tokenizer, seq_len=args.seq_len, K=1, eos_ids=target.eos_ids,
-                              limit=args.limit, heldout_fraction=frac)
+        train = load_examples(spec, target.tokenizer, seq_len=config.seq_len, K=1, eos_ids=target.eos_ids,
+                              limit=config.limit, heldout_fraction=frac)
         describe = train.describe
         path = None if spec == "sharegpt" else Path(spec)
-        convs, _ = load_conversations(path, "heldout", args.eval_examples, frac)
-        held = conversation_examples(convs, target.tokenizer, args.seq_len, target.eos_ids, {}) if convs else None
+        convs, _ = load_conversations(path, "heldout", config.eval_examples, frac)
+        held = conversation_examples(convs, target.tokenizer, config.seq_len, target.eos_ids, {}) if convs else None
         held_examples = [held[i] for i in range(len(held))] if held is not None else []
     return train, held_examples, describe
 
 
-def eval_examples_from(spec: str, args, target) -> list[Example]:
+def eval_examples_from(spec: str, config, target) -> list[Example]:
     """``--eval-data``: all response records of a distill file, or ShareGPT's held-out split."""
     from ...data.jsonl import read_records
     from ...data.sharegpt import HELDOUT_FRACTION, load_conversations
     from ..examples import conversation_examples, record_examples
 
     if spec.endswith(".jsonl"):
-        records = [r for r in read_records(spec) if r.get("kind") == "response"][: args.eval_examples]
+        records = [r for r in read_records(spec) if r.get("kind") == "response"][: config.eval_examples]
         if not records:
             raise SpecdraftError(f"--eval-data {spec} holds no response records")
-        ex = record_examples(records, target.tokenizer, args.seq_len, 1, {"path": spec})
+        ex = record_examples(records, target.tokenizer, config.seq_len, 1, {"path": spec})
     else:
-        frac = HELDOUT_FRACTION if args.heldout_fraction is None else args.heldout_fraction
-        convs, _ = load_conversations(None if spec == "sharegpt" else spec, "heldout", args.eval_examples, frac)
+        frac = HELDOUT_FRACTION if config.heldout_fraction is None else config.heldout_fraction
+        convs, _ = load_conversations(None if spec == "sharegpt" else spec, "heldout", config.eval_examples, frac)
         if not convs:
             raise SpecdraftError(f"--eval-data {spec}: no held-out conversations")
-        ex = conversation_examples(convs, target.tokenizer, args.seq_len, target.eos_ids, {})
+        ex = conversation_examples(convs, target.tokenizer, config.seq_len, target.eos_ids, {})
     return [ex[i] for i in range(len(ex))]

@@ -1,4 +1,5 @@
-"""ReDrafter (a recurrent draft head, arXiv 2403.09919) and its Medusa baseline.
+"""Draft heads on the target's last hidden state: ReDrafter (a recurrent draft head, arXiv
+2403.09919) and its Medusa baseline.
 
 - ``model``: the ReDrafter head (inference recurrence + teacher-forced training forward)
 - ``medusa``: K independent Medusa-style heads

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -31,9 +32,11 @@ from torch.nn import functional as F
 
 from ..data.chat import IGNORE
 from ..errors import SpecdraftError
-from ..redrafter import MedusaHeads, ReDrafterHead
-from .common import (HeldOut, TargetStatesTask, JsonLog, LoopOptions, finish_run, Plan, TrainState, cosine_schedule, describe,
-                     latest_checkpoint, make_accelerator, reduced_sums, train_loop)
+from ..heads import MedusaHeads, ReDrafterHead
+from .configs import HeadTrainConfig
+from .common import (HeldOut, JsonLog, LoopOptions, Plan, TargetStatesTask, TrainState, cosine_schedule, describe,
+                     finish_run, load_target_for, make_accelerator, open_hidden_cache, reduced_sums, resume_point,
+                     train_loop)
 from .examples import Batch, ExampleSet, collate, load_examples
 from .hidden_cache import HiddenCache
 from .walk import greedy_walk, labelled_spans
@@ -280,72 +283,72 @@ class HeadTask(TargetStatesTask):
 # ---- the command ------------------------------------------------------------------------
 
 
-def run(args) -> int:
-    """Train as the parsed ``train redrafter`` options say; returns the exit code."""
+def run(config: HeadTrainConfig) -> int:
+    """Train a head as ``config`` says; returns the exit code."""
     from accelerate.utils import set_seed
 
-    check_args(args)
-    out = Path(args.out)
-    accelerator = make_accelerator(cpu=args.device == "cpu", mixed_precision=args.mixed_precision)
+    check_config(config)
+    out = Path(config.out)
+    accelerator = make_accelerator(cpu=config.device == "cpu", mixed_precision=config.mixed_precision)
     main = accelerator.is_main_process
-    resume_from = resume_point(out, args.resume)
-    target = load_target_for(args, accelerator)
-    examples = load_examples(args.data, target.tokenizer, seq_len=args.seq_len, K=args.future_tokens,
-                             eos_ids=target.eos_ids, limit=args.limit, heldout_fraction=args.heldout_fraction)
-    if args.kl_weight and "next-k" in examples.describe.get("kinds", []):
+    resume_from = resume_point(out, config.resume)
+    target = load_target_for(config, accelerator)
+    examples = load_examples(config.data, target.tokenizer, seq_len=config.seq_len, K=config.future_tokens,
+                             eos_ids=target.eos_ids, limit=config.limit, heldout_fraction=config.heldout_fraction)
+    if config.kl_weight and "next-k" in examples.describe.get("kinds", []):
         raise SpecdraftError("--kl-weight needs teacher-forced data (ShareGPT or response records); "
                              "next-k records have no target distribution along their chains")
-    plan = Plan(len(examples), args.batch_size, args.grad_accum, accelerator.num_processes, args.epochs,
-                args.max_steps, args.seed)
-    set_seed(args.seed)
-    model = HeadObjective(build_head(args.arch, target, args.future_tokens, args.head, args.num_blocks),
-                          args.future_tokens, args.kl_weight, args.topk)
+    plan = Plan(len(examples), config.batch_size, config.grad_accum, accelerator.num_processes, config.epochs,
+                config.max_steps, config.seed)
+    set_seed(config.seed)
+    model = HeadObjective(build_head(config.arch, target, config.future_tokens, config.head, config.num_blocks),
+                          config.future_tokens, config.kl_weight, config.topk)
     if not any(p.requires_grad for p in model.parameters()):
-        raise SpecdraftError(f"a {args.head} {args.arch} head with {args.num_blocks} blocks has no trainable parameters")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = cosine_schedule(optimizer, plan.total_steps, args.warmup)
+        raise SpecdraftError(f"a {config.head} {config.arch} head with {config.num_blocks} blocks has no trainable parameters")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = cosine_schedule(optimizer, plan.total_steps, config.warmup)
     # The scheduler is stepped by the loop itself (accelerate's wrapper would step it once
     # per process), and saved as a registered object.
     model, optimizer = accelerator.prepare(model, optimizer)
-    state = TrainState(run_signature(args, plan, examples))
+    state = TrainState(run_signature(config, plan, examples))
     accelerator.register_for_checkpointing(scheduler, state)
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
-    cache = open_hidden_cache(args, accelerator, target, examples)
-    held = heldout_examples(args, target)
+    cache = open_hidden_cache(config, accelerator, target, examples)
+    held = heldout_examples(config, target)
     eval_log = JsonLog(out, state.step, main, name=EVAL_LOG)  # evaluations, trimmed on resume like the log
     held_out = None
     if held:
-        evaluator = HeadEvaluator(held, target, args.future_tokens, args.batch_size, args.topk)
-        held_out = HeldOut(lambda: evaluator(accelerator, accelerator.unwrap_model(model)), args.eval_every, state,
+        evaluator = HeadEvaluator(held, target, config.future_tokens, config.batch_size, config.topk)
+        held_out = HeldOut(lambda: evaluator(accelerator, accelerator.unwrap_model(model)), config.eval_every, state,
                            plan.total_steps, eval_log)
-    task = HeadTask(target, examples, args.future_tokens, cache, kl_weight=args.kl_weight, topk=args.topk,
+    task = HeadTask(target, examples, config.future_tokens, cache, kl_weight=config.kl_weight, topk=config.topk,
                     held_out=held_out)
-    record = run_record(args, plan, examples)
+    record = run_record(config, plan, examples)
     record["heldout_examples"] = len(held)
     if main:
-        announce(args, out, record, plan, state, resumed=resume_from is not None)
+        announce(config, out, record, plan, state, resumed=resume_from is not None)
     if resume_from is None and held_out is not None:
         first = held_out.first()
         if main:
             print(f"specdraft: before training, on {len(held)} held-out sequences: "
-                  f"{summarise_eval(first, args.future_tokens)}", file=sys.stderr)
-    opts = LoopOptions(out=out, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
-                       log_every=args.log_every, stop_after_steps=args.stop_after_steps,
-                       max_grad_norm=args.max_grad_norm, progress=not args.no_progress)
+                  f"{summarise_eval(first, config.future_tokens)}", file=sys.stderr)
+    opts = LoopOptions(out=out, save_every=config.save_every, keep_checkpoints=config.keep_checkpoints,
+                       log_every=config.log_every, stop_after_steps=config.stop_after_steps,
+                       max_grad_norm=config.max_grad_norm, progress=not config.no_progress)
     finished = train_loop(accelerator, task, model, optimizer, scheduler, plan, state, opts)
     return finish_run(accelerator, main, finished, state, plan,
                       lambda: (save_final(accelerator.unwrap_model(model).head, out / "final", record, state),
-                               args.arch))
+                               config.arch))
 
 
-def heldout_examples(args, target) -> list:
+def heldout_examples(config, target) -> list:
     """``--eval-data``: the first --eval-examples sequences of a distill file (all of it is
     held out: give one the training never saw), or of ShareGPT's held-out split."""
-    if not args.eval_data:
+    if not config.eval_data:
         return []
-    held = load_examples(args.eval_data, target.tokenizer, seq_len=args.seq_len, K=args.future_tokens,
-                         eos_ids=target.eos_ids, limit=args.eval_examples, heldout_fraction=args.heldout_fraction,
+    held = load_examples(config.eval_data, target.tokenizer, seq_len=config.seq_len, K=config.future_tokens,
+                         eos_ids=target.eos_ids, limit=config.eval_examples, heldout_fraction=config.heldout_fraction,
                          split="heldout")
     return [held[i] for i in range(len(held))]
 
@@ -355,75 +358,42 @@ def summarise_eval(found: dict, K: int) -> str:
     return f"top-1 accuracy {accs} at depths 1-{K}, estimated τ (W=1, L={K + 1}) {found[f'eval_tau_w1_l{K + 1}']:.3f}"
 
 
-def resume_point(out: Path, resume: bool) -> Path | None:
-    """The checkpoint to resume from; refuses to start over a run that has checkpoints."""
-    latest = latest_checkpoint(out)
-    if latest is not None and not resume:
-        raise SpecdraftError(f"{out} already holds checkpoints; pass --resume to continue, or use another --out")
-    return latest
-
-
-def load_target_for(args, accelerator):
-    """The frozen target on this process's device: under a launcher each process has its
-    own (cuda:<local rank>), so the accelerator decides unless --device cpu."""
-    from ..models import load_target, quiet_loading
-
-    device = "cpu" if args.device == "cpu" else str(accelerator.device)
-    if args.device.startswith("cuda") and accelerator.device.type != "cuda":
-        raise SpecdraftError("--device cuda was asked for, but no CUDA device is available")
-    with quiet_loading():
-        return load_target(args.target, device, args.dtype, args.trust_remote_code)
-
-
-def announce(args, out: Path, record: dict, plan: Plan, state: TrainState, resumed: bool) -> None:
+def announce(config, out: Path, record: dict, plan: Plan, state: TrainState, resumed: bool) -> None:
     """Write OUT/train_args.json and say what is about to happen (main process)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_args.json").write_text(json.dumps(record, indent=2, default=str))
     where = (f", resuming at step {state.step}" if resumed else
-             " (no checkpoint to resume: starting from scratch)" if args.resume else "")
-    print(f"specdraft: training {args.arch} ({args.head} head, K={args.future_tokens}) on {plan.num_examples} "
+             " (no checkpoint to resume: starting from scratch)" if config.resume else "")
+    print(f"specdraft: training {config.arch} ({config.head} head, K={config.future_tokens}) on {plan.num_examples} "
           f"examples, {plan.total_steps} steps{where}", file=sys.stderr)
 
 
-def check_args(args) -> None:
+def check_config(config: HeadTrainConfig) -> None:
     for name in ("future_tokens", "batch_size", "grad_accum", "epochs", "seq_len", "save_every", "log_every", "topk"):
-        if getattr(args, name) < 1:
-            raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.seq_len < 2:
-        raise SpecdraftError(f"--seq-len must be >= 2, got {args.seq_len}")
-    if not args.lr > 0 or not 0 <= args.warmup < 1 or args.kl_weight < 0:
+        if getattr(config, name) < 1:
+            raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(config, name)}")
+    if config.seq_len < 2:
+        raise SpecdraftError(f"--seq-len must be >= 2, got {config.seq_len}")
+    if not config.lr > 0 or not 0 <= config.warmup < 1 or config.kl_weight < 0:
         raise SpecdraftError("need --lr > 0, 0 <= --warmup < 1 and --kl-weight >= 0")
-    if args.limit is not None and args.limit < 1:
-        raise SpecdraftError(f"--limit must be >= 1, got {args.limit}")
-    if args.eval_every < 0 or args.eval_examples < 1:
-        raise SpecdraftError(f"need --eval-every >= 0 and --eval-examples >= 1, got {args.eval_every} and "
-                             f"{args.eval_examples}")
+    if config.limit is not None and config.limit < 1:
+        raise SpecdraftError(f"--limit must be >= 1, got {config.limit}")
+    if config.eval_every < 0 or config.eval_examples < 1:
+        raise SpecdraftError(f"need --eval-every >= 0 and --eval-examples >= 1, got {config.eval_every} and "
+                             f"{config.eval_examples}")
 
 
-def run_signature(args, plan: Plan, examples: ExampleSet) -> dict:
+def run_signature(config, plan: Plan, examples: ExampleSet) -> dict:
     """Everything a resumed run must share with the run it continues."""
-    return {**plan.signature(), "data": examples.fingerprint(), "seq_len": args.seq_len, "arch": args.arch,
-            "head": args.head, "K": args.future_tokens, "num_blocks": args.num_blocks, "epochs": args.epochs,
-            "max_steps": args.max_steps, "lr": args.lr, "kl_weight": args.kl_weight, "target": args.target}
+    return {**plan.signature(), "data": examples.fingerprint(), "seq_len": config.seq_len, "arch": config.arch,
+            "head": config.head, "K": config.future_tokens, "num_blocks": config.num_blocks, "epochs": config.epochs,
+            "max_steps": config.max_steps, "lr": config.lr, "kl_weight": config.kl_weight, "target": config.target}
 
 
-def run_record(args, plan: Plan, examples: ExampleSet) -> dict:
+def run_record(config, plan: Plan, examples: ExampleSet) -> dict:
     """What the saved head's config records about its training."""
-    options = {k: v for k, v in vars(args).items() if k != "run" and not callable(v)}
+    options = asdict(config)
     return {"argv": list(sys.argv), "options": options, "data": examples.describe, "plan": describe(plan)}
-
-
-def open_hidden_cache(args, accelerator, target, examples: ExampleSet) -> HiddenCache | None:
-    if not args.hidden_cache:
-        return None
-    from ..checkpoint import target_signature
-
-    manifest = {"target": target_signature(target), "dtype": str(target.dtype).replace("torch.", ""),
-                "data": examples.fingerprint(), "seq_len": args.seq_len, "format": 1}
-    if accelerator.is_main_process:
-        HiddenCache.create(args.hidden_cache, manifest)
-    accelerator.wait_for_everyone()
-    return HiddenCache(args.hidden_cache, manifest, rank=accelerator.process_index)
 
 
 def save_final(head, folder: Path, record: dict, state: TrainState) -> Path:
