@@ -297,3 +297,12 @@ def test_tree_steps_dearer_than_the_curve_turn_drafting_off():
         busy.observe_step(False, 1, 0, 3 * LINEAR(1))
         busy.observe_step(True, 3, 0, 3 * LINEAR(3))
     assert busy.plan(stats, budget, 0) == 2
+
+
+def test_an_unseen_step_kind_takes_the_seen_kinds_ratio():
+    """Steps far cheaper than a (synthetic) curve must not make the kind not yet seen look
+    dear: until both kinds are measured, the curve's own relation stands."""
+    policy = AdaptivePolicy(LINEAR)
+    for _ in range(5):
+        policy.observe_step(True, 3, 0, 0.001 * LINEAR(3))
+    assert policy.step_ratio(False) == policy.step_ratio(True) == pytest.approx(0.01)  # clamped

@@ -428,3 +428,36 @@ def test_head_table_script_pivots_bench_rows(tmp_path):
     assert text.splitlines()[0] == "| head | W=1 L=2 | W=4 L=3 |"
     assert text.splitlines()[2] == "| ReDrafter | 1.25 / 1.10× | 1.50 / 0.90× |"
     assert text.splitlines()[3] == "| Medusa | – | – |"
+
+
+def test_interleave_runs_every_methods_batch_i_before_any_batch_i_plus_1(tiny_target_path, prompts_file, tmp_path,
+                                                                         monkeypatch):
+    from specdraft.bench.runner import Bench
+
+    calls, real_build = [], Bench.build
+
+    def logging_build(self, spec, warm_prompt):
+        method = real_build(self, spec, warm_prompt)
+        generate = method.generate
+
+        def logged(prompts, params):
+            calls.append((spec, len(prompts)))
+            return generate(prompts, params)
+        method.generate = logged
+        return method
+
+    monkeypatch.setattr(Bench, "build", logging_build)
+    rc = cli("bench", "--target", tiny_target_path, "--no-chat", "--dataset", prompts_file, "--drafters",
+             "none,lookup@1x3/fixed,lookup@1x3/adaptive", "--max-new-tokens", 6, "--repeats", 2, "--interleave",
+             "--no-warmup", "--no-progress", "--out", tmp_path / "out")
+    assert rc == 0
+    # 3 prompts at batch 1, 2 repeats: 6 rounds, each running every method once, the order rotating
+    rounds = [calls[i:i + 3] for i in range(0, len(calls), 3)]
+    assert len(rounds) == 6 and all(sorted(s for s, _ in r) == sorted(["none", "lookup@1x3/fixed",
+                                                                         "lookup@1x3/adaptive"]) for r in rounds)
+    assert rounds[0][0][0] != rounds[1][0][0]  # batch 1 starts with another method than batch 0
+    runs = json.loads((tmp_path / "out" / "results.json").read_text())["runs"]
+    assert sorted(r["drafter"] for r in runs) == sorted(["none", "lookup@1x3/fixed", "lookup@1x3/adaptive"])
+    for r in runs:
+        assert r["status"] == "ok" and len(r["seconds_repeats"]) == 2 and r["memory_peak_is_per_row"] is False
+    assert len({r["new_tokens"] for r in runs}) == 1  # greedy: every method writes the same tokens

@@ -249,7 +249,8 @@ class StepCostRatio:
     also packs the tree, builds masks, accepts and commits, and those costs grow with the tree
     and the batch (on the 2-core EPYC, 4 rows of lookup trees cost ~50 ms a step more than the
     curve said, enough to make drafting lose at batch 4), and a busier machine scales both.
-    A ratio multiplies (never makes a cost negative); a kind not seen yet counts 1."""
+    A ratio multiplies (never makes a cost negative). A kind not seen yet takes the other
+    kind's ratio (1 before any step): only evidence on both kinds may change their relation."""
 
     def __init__(self, weight: float = 0.1):
         self.weight = weight
@@ -262,7 +263,7 @@ class StepCostRatio:
         self.seen[tree] += 1
 
     def __call__(self, tree: bool) -> float:
-        return self.ratio[tree]
+        return self.ratio[tree] if self.seen[tree] else self.ratio[not tree]
 
 
 # ---- the policy --------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 Loop order: method -> dataset -> temperature -> batch size, with our plain decoding
 (``none``) always measured first and ``hf-ar`` next, so that every later row has both
-references. A row is all prompts x all repeats of one method in one setting;
+references; or, with ``interleave``, setting -> repeat -> batch -> method (every method's
+batch i before any method's batch i + 1). A row (``rows.RowMeasure``) is all prompts x all
+repeats of one method in one setting;
 results.json is rewritten (atomically) as soon as a row finishes, and ``--resume``
 skips rows that are already there.
 """
@@ -24,6 +26,7 @@ from ..sampling import SamplingParams
 from . import metrics
 from .datasets import BenchPrompt, dataset_label, encode_first_turns, load_prompts, second_turn_ids
 from .methods import Method
+from .rows import RowMeasure
 from .specs import build_method, split_shape
 from .store import RESULTS, load_for_resume, row_key, write_json_atomic
 
@@ -62,6 +65,7 @@ class BenchConfig:
     progress: bool = True
     command: str = ""
     adaptive: str = "on"  # on | off (fixed shapes) | refresh (re-measure the cost model first)
+    interleave: bool = False  # every method loaded at once, their batches in turn (see Bench.run_interleaved)
 
     def resolved_dtype(self) -> str:
         from ..models import resolve_dtype
@@ -160,22 +164,79 @@ class Bench:
         """Measure every missing row; results.json is current after each.
 
         Methods are the outer loop: each is loaded once, measured in every setting, and
-        released before the next, so its peak memory holds only the target and itself."""
+        released before the next, so its peak memory holds only the target and itself.
+        With ``interleave`` every method is loaded at once and settings are the outer loop."""
+        if self.cfg.interleave:
+            return self.run_interleaved()
         cfg = self.cfg
         for name in cfg.method_order():
-            todo = [(spec, float(t), int(b)) for spec in cfg.datasets for t in cfg.temperatures
-                    for b in cfg.batch_sizes if (name, dataset_label(spec), float(t), int(b)) not in self.done]
+            todo = [s for s in self.settings() if (name, *s[1:]) not in self.done]
             if not todo:
                 continue
             method = self.build(name, self.prompts(todo[0][0])[1][0])
-            for spec, temperature, batch_size in todo:
-                items, first = self.prompts(spec)
-                measurable = method.unsupported(batch_size) is None
-                prompts = self.prompt_ids(method, spec, items, first) if measurable else first
-                self.add(self.measure(method, spec, items, prompts, temperature, batch_size))
+            for spec, label, temperature, batch_size in todo:
+                row = self.start_rows({name: method}, spec, temperature, batch_size)[name]
+                starts = [] if row.reason else row.starts
+                with progress_bar(len(starts) * cfg.repeats, f"{label} T={temperature:g} B={batch_size} {name}",
+                                  cfg.progress) as bar:
+                    for _ in range(cfg.repeats):
+                        for start in starts:
+                            row.batch(start)
+                            bar.update(1)
+                        row.end_repeat()
+                self.add(row.finish(self.memory.read(), self.target))
             del method
             self.release()
         return self.results
+
+    def run_interleaved(self) -> dict:
+        """Every method loaded at once; within each setting and repeat, batch i of every
+        method runs before batch i + 1 of any (the method order rotating from batch to
+        batch), so a machine whose speed drifts (a shared VM, another job) slows every method
+        alike and the ratios between them stay honest. Peak memory is then the process's."""
+        cfg = self.cfg
+        names = [n for n in cfg.method_order() if any((n, *s[1:]) not in self.done for s in self.settings())]
+        if not names:
+            return self.results
+        methods = {n: self.build(n, self.prompts(cfg.datasets[0])[1][0]) for n in names}
+        for spec, _, temperature, batch_size in self.settings():
+            todo = {n: m for n, m in methods.items() if (n, dataset_label(spec), temperature, batch_size) not in self.done}
+            if not todo:
+                continue
+            rows = self.start_rows(todo, spec, temperature, batch_size)
+            measured = [r for r in rows.values() if not r.reason]
+            starts = measured[0].starts if measured else []
+            with progress_bar(len(starts) * len(measured) * cfg.repeats,
+                              f"{dataset_label(spec)} T={temperature:g} B={batch_size} ({len(measured)} methods)",
+                              cfg.progress) as bar:
+                for _ in range(cfg.repeats):
+                    for i, start in enumerate(starts):
+                        for row in measured[i % len(measured):] + measured[:i % len(measured)]:
+                            row.batch(start)
+                            bar.update(1)
+                    for row in rows.values():
+                        row.end_repeat()
+            memory = self.memory.read()
+            for row in rows.values():
+                self.add(row.finish({**memory, "memory_peak_is_per_row": False}, self.target))
+        return self.results
+
+    def settings(self) -> list[tuple]:
+        """(dataset spec, dataset label, temperature, batch size) of every setting."""
+        cfg = self.cfg
+        return [(spec, dataset_label(spec), float(t), int(b)) for spec in cfg.datasets for t in cfg.temperatures
+                for b in cfg.batch_sizes]
+
+    def start_rows(self, methods: dict, spec: str, temperature: float, batch_size: int) -> dict:
+        """A RowMeasure per method for one setting (peak memory counted from here)."""
+        items, first = self.prompts(spec)
+        rows = {}
+        for name, method in methods.items():
+            measurable = method.unsupported(batch_size) is None
+            prompts = self.prompt_ids(method, spec, items, first) if measurable else first
+            rows[name] = RowMeasure(method, spec, items, prompts, temperature, batch_size, self.cfg)
+        self.memory.reset()
+        return rows
 
     def prompts(self, spec: str) -> tuple[list[BenchPrompt], list[list[int]]]:
         """A dataset's prompts and their first-turn token ids (loaded once)."""
@@ -234,93 +295,6 @@ class Bench:
         self.done.add(row_key(row))
         derive_speedups(self.results["runs"])
         write_json_atomic(Path(self.cfg.out) / RESULTS, self.results)
-
-    # ---- one row ----------------------------------------------------------------------------
-
-    def measure(self, method: Method, spec: str, items, prompts, temperature: float, batch_size: int) -> dict:
-        """All prompts x repeats of one method at one (temperature, batch size)."""
-        cfg = self.cfg
-        row = {"drafter": method.spec, "kind": method.kind, "dataset": dataset_label(spec),
-               "temperature": float(temperature), "batch_size": int(batch_size), **method.info,
-               "prompts": len(prompts), "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens,
-               "mt_bench_turn": 2 if any(it.follow_up for it in items) else 1}
-        reason = method.unsupported(batch_size)
-        if reason:
-            return {**row, "status": "unsupported", "reason": reason, **empty_figures()}
-        params = [SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=temperature, top_p=cfg.top_p,
-                                 top_k=cfg.top_k, seed=cfg.seed + i).validate() for i in range(len(prompts))]
-        per_prompt = [{"id": it.id, "prompt_tokens": len(p), "new_tokens": [], "steps": [], "seconds": [],
-                       "finish_reason": None, "accepted_hist": {}, "token_ids": None}
-                      for it, p in zip(items, prompts)]
-        batches = range(0, len(prompts), batch_size)
-        tokens, seconds, stages = [], [], None
-        if hasattr(method, "reset_drafting"):
-            method.reset_drafting()
-        self.memory.reset()
-        with progress_bar(len(batches) * cfg.repeats, f"{row['dataset']} T={temperature:g} B={batch_size} "
-                                                      f"{method.spec}", cfg.progress) as bar:
-            for _ in range(cfg.repeats):
-                n_tok, n_sec = 0, 0.0
-                for start in batches:
-                    out = method.generate(prompts[start:start + batch_size], params[start:start + batch_size])
-                    n_sec += out.seconds
-                    n_tok += record_batch(per_prompt[start:start + batch_size], out.prompts)
-                    if out.stages is not None:
-                        stages = metrics.add_stages(stages or {}, out.stages)
-                    bar.update(1)
-                tokens.append(n_tok)
-                seconds.append(n_sec)
-        if hasattr(method, "drafting"):
-            row["drafting"] = method.drafting()
-        return {**row, "status": "ok", **self.memory.read(),
-                **figures(per_prompt, tokens, seconds, stages, cfg.repeats, method.info, self.target),
-                "per_prompt": per_prompt}
-
-
-def record_batch(rows: list[dict], outcomes) -> int:
-    """Append one repeat's per-request numbers; return the batch's new tokens."""
-    for row, o in zip(rows, outcomes):
-        row["new_tokens"].append(len(o.token_ids))
-        row["steps"].append(o.steps)
-        row["seconds"].append(o.seconds)
-        row["finish_reason"] = o.finish_reason
-        if row["token_ids"] is None:
-            row["token_ids"] = list(o.token_ids)
-        if o.hist is not None:
-            row["accepted_hist"] = {str(k): v for k, v in
-                                    sorted(metrics.merge_hists([row["accepted_hist"], o.hist]).items())}
-    return sum(len(o.token_ids) for o in outcomes)
-
-
-def figures(per_prompt: list[dict], tokens: list[int], seconds: list[float], stages, repeats: int,
-            info: dict, target) -> dict:
-    """The row's derived numbers from its raw per-prompt measurements."""
-    total_tokens = sum(sum(p["new_tokens"]) for p in per_prompt)
-    step_lists = [s for p in per_prompt for s in p["steps"]]
-    total_steps = sum(step_lists) if step_lists and None not in step_lists else 0
-    tau = metrics.block_efficiency(total_tokens, total_steps)
-    hists = [p["accepted_hist"] for p in per_prompt if p["accepted_hist"]]
-    hist = metrics.merge_hists(hists) if hists else {}
-    depth = metrics.acceptance_by_depth(hist, len(per_prompt) * repeats) if hist else {}
-    n_target = info.get("target_params")
-    mean_stages = {k: v / repeats for k, v in stages.items()} if stages else None
-    return {**metrics.rate_summary(tokens, seconds), "seconds_repeats": seconds, "new_tokens_repeats": tokens,
-            "new_tokens": total_tokens, "target_forwards": total_steps or None,
-            "tokens_per_step": tau, "block_efficiency": tau,
-            "tau_source": None if tau is None else ("engine" if hists else "forward-hook"),
-            "accepted_hist": {str(k): v for k, v in hist.items()},
-            "acceptance_by_depth": {str(k): v for k, v in depth.items()},
-            "mbsu": metrics.mbsu(tau, info.get("gamma"), info.get("draft_params"), n_target) if n_target else None,
-            "stage_seconds": mean_stages,
-            "stage_fractions": metrics.stage_fractions(mean_stages) if mean_stages else None}
-
-
-def empty_figures() -> dict:
-    """The figure fields of a row that could not be measured, all empty."""
-    return {"tokens_per_second": None, "tokens_per_second_min": None, "tokens_per_second_max": None,
-            "tokens_per_step": None, "block_efficiency": None, "speedup_vs_ar": None, "speedup_vs_hf_ar": None,
-            "mbsu": None, "stage_seconds": None, "per_prompt": []}
-
 
 def derive_speedups(runs: list[dict]) -> None:
     """speedup_vs_ar / speedup_vs_hf_ar of every row: its median tokens/s over that of

@@ -69,6 +69,10 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                    help="prompt i samples with seed S+i (default: %(default)s)")
     g.add_argument("--repeats", type=int, default=1, metavar="R",
                    help="timed passes over all prompts; tokens/s is their median (default: %(default)s)")
+    g.add_argument("--interleave", action="store_true",
+                   help="load every method at once and run their batches in turn (batch i of each before batch "
+                        "i + 1 of any), so that a machine whose speed drifts slows every method alike; peak "
+                        "memory is then the whole process's")
     o = p.add_argument_group("output")
     o.add_argument("--out", required=True, type=Path, metavar="DIR", help="folder for results.json, report.md, plots")
     o.add_argument("--resume", action="store_true",
@@ -86,7 +90,8 @@ def base_config(args: argparse.Namespace, **extra):
         out=args.out, datasets=args.dataset, target=args.target, device=args.device, dtype=args.dtype,
         trust_remote_code=args.trust_remote_code, limit=args.limit, top_p=args.top_p, top_k=args.top_k,
         repeats=args.repeats, max_new_tokens=args.max_new_tokens, seed=args.seed, chat=args.chat,
-        resume=args.resume, warmup=args.warmup, progress=args.progress, command=args.command_line, **extra)
+        resume=args.resume, warmup=args.warmup, progress=args.progress, command=args.command_line,
+        interleave=args.interleave, **extra)
 
 
 def check_device(args: argparse.Namespace) -> None:
