@@ -306,3 +306,17 @@ def test_an_unseen_step_kind_takes_the_seen_kinds_ratio():
     for _ in range(5):
         policy.observe_step(True, 3, 0, 0.001 * LINEAR(3))
     assert policy.step_ratio(False) == policy.step_ratio(True) == pytest.approx(0.01)  # clamped
+
+
+def test_a_row_with_nothing_to_draft_does_not_keep_the_batch_probing():
+    """A probe step asks every row's drafter; a row that had nothing to offer (no lookup
+    match) has had its probe too, or it would stay due and force a tree on every step."""
+    policy = AdaptivePolicy(STEEP)  # drafting never pays: only probes draft
+    stats, budget = [stats_with([0.05] * 8), stats_with([0.05] * 8)], torch.tensor([5, 5])
+    for _ in range(8):
+        assert policy.plan(stats, budget, 0) == 0
+        policy.observe(stats, [0, 0], [0, 0], None, off=True)
+    assert policy.plan(stats, budget, 0) == 1  # a probe
+    policy.observe(stats, [1, 0], [0, 0], None, off=False)  # row 0 drafted and missed, row 1 had nothing
+    assert not any(s.probe_due for s in stats)
+    assert policy.plan(stats, budget, 0) == 0
