@@ -39,7 +39,7 @@ class RandomBeamsDrafter(Drafter):
         beams[:, :, 0] = ctx.g0.cpu()[:, None]
         lengths = torch.randint(1, self.L + 1, (B, self.W), generator=self.gen)
         for b, history in enumerate(ctx.tokens):
-            truth = self._truth(ctx.row_ids[b], history.cpu())
+            truth = self._truth(ctx.request_ids[b], history.cpu())
             if truth:
                 for w in range(self.W):
                     keep = int(torch.randint(0, len(truth) + 1, (1,), generator=self.gen))

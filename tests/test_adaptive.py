@@ -156,7 +156,7 @@ class AlwaysWrong(Drafter):
         B = len(ctx.tokens)
         beams = ctx.g0[:, None, None].repeat(1, 1, 5)
         for b, hist in enumerate(ctx.tokens):
-            truth = self.answers[ctx.row_ids[b]][len(hist): len(hist) + 4]
+            truth = self.answers[ctx.request_ids[b]][len(hist): len(hist) + 4]
             truth += [0] * (4 - len(truth))
             beams[b, 0, 1:] = (torch.tensor(truth) + 1) % self.V
             self.calls.append(len(hist))

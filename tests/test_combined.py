@@ -19,7 +19,7 @@ def context(histories: list[list[int]]) -> DraftContext:
     tokens = [torch.tensor(h) for h in histories]
     B = len(tokens)
     return DraftContext(tokens=tokens, g0=torch.tensor([h[-1] for h in histories]), hidden=torch.zeros(B, 4),
-                        budget=torch.full((B,), 16), greedy=torch.ones(B, dtype=torch.bool), row_ids=list(range(B)))
+                        budget=torch.full((B,), 16), greedy=torch.ones(B, dtype=torch.bool), request_ids=list(range(B)))
 
 
 def test_union_keeps_every_parts_beams_in_order():

@@ -90,7 +90,7 @@ def test_continuous_batching_admit_and_cancel(tiny_target):
 
     def collect(events):
         for e in events:
-            out[e.index] += e.new_ids
+            out[e.request_id] += e.new_ids
 
     batch, events = engine.start(PROMPTS[:2], params, ids=[0, 1])
     collect(events)
@@ -99,7 +99,7 @@ def test_continuous_batching_admit_and_cancel(tiny_target):
     collect(engine.admit(batch, PROMPTS[2:], params, ids=[2, 3]))  # join mid-flight
     collect(engine.step(batch))
     engine.cancel(batch, {1})
-    assert 1 not in batch.ids
+    assert 1 not in batch.request_ids
     while batch.rows:
         collect(engine.step(batch))
     assert out[0] == want[0] and out[2] == want[2] and out[3] == want[3]
@@ -116,7 +116,7 @@ def test_admit_into_an_empty_batch(tiny_target):
         out += e.new_ids
     while batch.rows:
         for e in engine.step(batch):
-            assert e.index == 7
+            assert e.request_id == 7
             out += e.new_ids
     assert out == reference(tiny_target, [PROMPTS[1]], params)[0]
 

@@ -77,7 +77,7 @@ class SpeculativeEngine:
         results: list[GenerationResult | None] = [None] * len(prompts)
         for event in self.run(prompts, params):
             if event.result is not None:
-                results[event.index] = event.result
+                results[event.request_id] = event.result
         return results  # type: ignore[return-value]
 
     def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[str | GenerationResult]:
@@ -261,7 +261,7 @@ class SpeculativeEngine:
     def cancel(self, batch: Batch, ids: set[int]) -> None:
         """Drop the rows whose ids are in ``ids`` (e.g. a client went away); no events."""
         for row in batch.rows:
-            if row.index in ids:
+            if row.request_id in ids:
                 row.finish_reason = "cancelled"
         self._drop_finished(batch)
 
@@ -278,7 +278,7 @@ class SpeculativeEngine:
                     f"prompt has {len(prompt)} tokens; the target's context is {self.target.max_context}")
             gen = None if p.greedy else make_generator(p.seed, self.target.device)
             adapt = self.policy.new_row(self.drafter, p) if self.policy is not None else None
-            rows.append(Row(index=i, prompt=list(prompt), params=p, generator=gen, adapt=adapt))
+            rows.append(Row(request_id=i, prompt=list(prompt), params=p, generator=gen, adapt=adapt))
         return rows
 
     def _prefill(self, rows: list[Row], capacity: int) -> tuple[torch.Tensor, CompactCache]:
@@ -351,7 +351,7 @@ class SpeculativeEngine:
             hidden=hidden,
             budget=torch.tensor(budget, device=device).clamp(min=1),
             greedy=torch.tensor([r.params.greedy for r in rows], device=device),
-            row_ids=[r.index for r in rows],
+            request_ids=[r.request_id for r in rows],
             params=[r.params for r in rows])
 
     @staticmethod
@@ -386,7 +386,7 @@ class SpeculativeEngine:
         for row, new in zip(batch.rows, gained):
             kept = row.extend(new, self.target.eos_ids, self.target.max_context, decode)
             result = row.result(batch.timer, decode) if row.finish_reason else None
-            events.append(StepEvent(index=row.index, new_ids=kept, result=result))
+            events.append(StepEvent(request_id=row.request_id, new_ids=kept, result=result))
         return events
 
     def _drop_finished(self, batch: Batch, tell_drafter: bool = True) -> None:

@@ -80,7 +80,7 @@ class GenerationResult:
 class StepEvent:
     """Tokens a request gained in one step; ``result`` is set when it finished."""
 
-    index: int
+    request_id: int
     new_ids: list[int]
     result: GenerationResult | None = None
 
@@ -91,7 +91,7 @@ class Row:
     the last, g0, is not yet in the KV cache (the root of the next step's tree).
     ``finish_reason`` is set once a stop condition is met: the row then leaves the batch."""
 
-    index: int
+    request_id: int
     prompt: list[int]
     params: SamplingParams
     generator: torch.Generator | None
@@ -161,5 +161,5 @@ class Batch:
     timer: StageTimer
 
     @property
-    def ids(self) -> list[int]:
-        return [r.index for r in self.rows]
+    def request_ids(self) -> list[int]:
+        return [r.request_id for r in self.rows]

@@ -27,7 +27,7 @@ class DraftContext:
              the token before g0: the state whose logits chose g0
     budget:  (B,) long, at most how many tokens (g0 included) a beam may usefully hold
     greedy:  (B,) bool, rows decoded greedily (others sample)
-    row_ids: list of B request ids, stable while a request is in flight
+    request_ids: list of B request ids, stable while a request is in flight
     params:  list of B SamplingParams: drafters that sample must draw at the row's
              temperature/top-k/top-p (see sampling.target_probs) and report q
     """
@@ -37,7 +37,7 @@ class DraftContext:
     hidden: torch.Tensor
     budget: torch.Tensor
     greedy: torch.Tensor
-    row_ids: list[int] = field(default_factory=list)
+    request_ids: list[int] = field(default_factory=list)
     params: list = field(default_factory=list)
 
 

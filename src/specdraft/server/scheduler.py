@@ -256,7 +256,7 @@ class Scheduler:
             else:
                 events = self.engine.admit(self._batch, prompts, params, ids)
         except Exception as e:
-            if self._batch is not None and set(ids) & set(self._batch.ids):
+            if self._batch is not None and set(ids) & set(self._batch.request_ids):
                 self._engine_failed(e)  # it failed while joining the batch: the batch is suspect
             else:  # it failed in the prefill, before touching the running batch
                 log.exception("prefill failed")
@@ -288,12 +288,12 @@ class Scheduler:
         deliveries = []
         with self._cond:
             for event in events:
-                job = self._active.get(event.index)
+                job = self._active.get(event.request_id)
                 if job is None:
                     continue
                 self.metrics.tokens(len(event.new_ids))
                 if event.result is not None:
-                    del self._active[event.index]
+                    del self._active[event.request_id]
                     self.metrics.finished(event.result.tokens_per_step)
                     self.metrics.drafting(event.result.drafted_hist, event.result.off_steps)
                     self.metrics.ended("finished")
