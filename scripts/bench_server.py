@@ -35,7 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="default")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", help="passed to specdraft serve (auto: bfloat16 where the CPU has it)")
     ap.add_argument("--drafters", default="none,lookup", help="comma-separated --drafter specs")
     ap.add_argument("--concurrency", default="1,4,16", help="comma-separated levels")
     ap.add_argument("--requests", type=int, default=32, help="requests per level (at least the concurrency)")
@@ -166,7 +166,10 @@ def run_level(url: str, args, prompts: list[str], concurrency: int) -> dict:
 
 
 def print_table(args, rows) -> None:
-    print(f"\n`specdraft serve`, target {args.target} ({args.device}, {args.dtype}), "
+    from specdraft.models import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, args.device)  # what the server ran ("auto" resolved the same way)
+    print(f"\n`specdraft serve`, target {args.target} ({args.device}, {dtype}), "
           f"{'completions' if args.completions else 'chat'}, greedy, max_tokens {args.max_tokens}, "
           f"--max-batch-size {args.max_batch_size}, {os.cpu_count()} CPUs\n")
     print("| drafter | concurrency | requests | requests/s | tokens/s | τ "

@@ -294,3 +294,43 @@ def test_warm_start_takes_a_full_vocabulary_head_into_a_draft_vocabulary(tiny_ta
     other = ReDrafterHead.for_target(tiny_target, head="shared" if variant == "own" else "own", draft_vocab=vocab)
     with pytest.raises(SpecdraftError, match="--init-from"):
         warm_start(other, warm)
+
+
+# ---- fit --drafter draft ---------------------------------------------------------------------
+
+
+def test_fit_trains_a_draft_model_resumably_and_it_stays_exact(tiny_target_path, tiny_target, data, answers,
+                                                               tmp_path):
+    """The draft model's pipeline in one command: stopped and continued it ends with the
+    weights of an uninterrupted run; the result loads as draft:OUT/final and is exact."""
+    from safetensors.torch import load_file as load
+
+    common = ["--drafter", "draft", "--heldout-data", str(answers), "--copy-layers", "0", "--epochs", "2",
+              "--batch-sequences", "4", "--save-every", "0", "--gamma", "2", "--loss", "tvd"]
+    assert fit(tiny_target_path, data, tmp_path / "a", *common) == 0
+    assert fit(tiny_target_path, data, tmp_path / "b", *common, "--stop-after-steps", "2") == 0
+    assert not (tmp_path / "b" / "final").exists()
+    assert fit(tiny_target_path, data, tmp_path / "b", *common) == 0
+    a, b = (load(tmp_path / r / "final" / "model.safetensors") for r in "ab")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    curve = [json.loads(line) for line in (tmp_path / "a" / "curve.jsonl").read_text().splitlines()]
+    assert curve[0]["tokens"] == 0 and curve[-1]["tokens"] > 0 and "eval_tau_walk_g2" in curve[-1]
+    assert (tmp_path / "a" / "curve.png").is_file()
+    meta = json.loads((tmp_path / "a" / "final" / "specdraft.json").read_text())
+    assert meta["embeddings"] == "target" and meta["stages"][-1]["loss"] == "tvd"
+    params = SamplingParams(max_new_tokens=16)
+    ref = [r.token_ids for r in SpeculativeEngine(tiny_target, NoDrafter()).generate(PROMPTS, params)]
+    drafter = build_drafter(f"draft:{tmp_path / 'a' / 'final'}", tiny_target, gamma=3)
+    got = [r.token_ids for r in SpeculativeEngine(tiny_target, drafter, max_tree_tokens=None).generate(PROMPTS, params)]
+    assert got == ref
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tokens", "1k"], "--budget or --max-steps"),
+    (["--copy-layers", "x"], "copy-layers"),
+    (["--init-from", "default", "--copy-layers", "0"], "drop --copy-layers"),
+])
+def test_bad_draft_fit_options_are_one_line_errors(tiny_target_path, data, tmp_path, capsys, argv, message):
+    assert fit(tiny_target_path, data, tmp_path / "x", "--drafter", "draft", *argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -56,13 +56,18 @@ def make_drafter(smol, cases, name):
 
 
 TRAINED = {"shipped-redrafter": 1.12, "lookup+shipped-redrafter": 1.12, "shipped-draft": 1.06}
+# One request at a time is the suite's slowest path: the plain and trained drafters run on
+# every other question (their code paths are the tree drafters'; the batch-4 test covers all 8).
+HALF = {"none", *TRAINED}
 
 
 @pytest.mark.parametrize("name", ["none", "lookup", "random-beams", *TRAINED])
 def test_greedy_parity_batch1(smol, cases, name):
     engine = SpeculativeEngine(smol, make_drafter(smol, cases, name), max_tree_tokens=None)
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
-    results = [run_alone(engine, prompt, params, i) for i, (prompt, _) in enumerate(cases)]
+    picked = list(range(0, len(cases), 2)) if name in HALF else list(range(len(cases)))
+    results = [run_alone(engine, cases[i][0], params, i) for i in picked]
+    cases = [cases[i] for i in picked]
     check(smol, cases, results)
     if name in TRAINED:  # a trained drafter must actually draft
         tau = sum(len(r.token_ids) for r in results) / sum(r.steps for r in results)

@@ -9,7 +9,8 @@ from pathlib import Path
 from ..errors import SpecdraftError
 from .options import add_target_args, resolve_dtype_arg
 
-DRAFTERS = ("redrafter", "medusa")
+DRAFTERS = ("redrafter", "medusa", "draft")
+DEFAULT_LR = {"redrafter": 1e-3, "medusa": 1e-3, "draft": 3e-4}  # draft: train draft's fine-tuning rate
 
 
 def parse_duration(text: str) -> float:
@@ -41,8 +42,10 @@ def add_fit(subparsers) -> None:
         description="Run the whole pipeline for a drafter: the target's answers to held-out prompts, one "
                     "target pass over the training conversations (hidden states and the target's own "
                     "greedy choices, on disk), a draft vocabulary, training with held-out τ, and the "
-                    "final drafter in OUT/final. Interrupted (Ctrl-C, SIGTERM, --budget) it saves; run "
-                    "the same command again to continue where it stopped.")
+                    "final drafter in OUT/final (a draft model, --drafter draft, distils on the "
+                    "conversations directly, caching the target's hidden states as it goes). Interrupted "
+                    "(Ctrl-C, SIGTERM, --budget) it saves; run the same command again to continue where "
+                    "it stopped.")
     p.add_argument("--drafter", choices=DRAFTERS, default="redrafter", help="(default: %(default)s)")
     p.add_argument("--out", required=True, metavar="DIR", help="everything the run writes, and where it resumes")
     p.add_argument("--data", default="sharegpt", metavar="sharegpt|FILE.json|FILE.jsonl",
@@ -66,14 +69,24 @@ def add_fit(subparsers) -> None:
     g.add_argument("--future-tokens", "-K", type=int, default=4, metavar="K", help="(default: %(default)s)")
     g.add_argument("--num-blocks", type=int, metavar="N",
                    help="residual blocks (default: 2 for redrafter, as the paper; 1 per Medusa head)")
-    g.add_argument("--init-from", metavar="PATH", help="start from this checkpoint's weights ('default': the head shipped for the default target); "
-                        "its draft vocabulary rows are taken from a full-vocabulary head")
+    g.add_argument("--init-from", metavar="PATH", help="start from this checkpoint's weights ('default': the drafter of "
+                   "this kind shipped for the default target); a head's draft vocabulary rows are taken from a "
+                   "full-vocabulary head")
+    g = p.add_argument_group("draft model (--drafter draft)")
+    g.add_argument("--loss", choices=("fkl", "rkl", "tvd", "tvdpp"), default="tvdpp",
+                   help="distillation loss (docs/draft_model.md) (default: %(default)s)")
+    g.add_argument("--copy-layers", metavar="I,J,...",
+                   help="start from these target layers at full width, the target's embeddings borrowed "
+                        "(default: the target's embeddings on the default small shape)")
+    g.add_argument("--gamma", type=int, default=3, help="held-out τ at γ = 1..GAMMA (default: %(default)s)")
+    g.add_argument("--batch-sequences", type=int, default=8, metavar="N",
+                   help="sequences per optimizer step (default: %(default)s)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=2, help="(default: %(default)s)")
     g.add_argument("--max-steps", type=int, metavar="N", help="at most N optimizer steps (the LR schedule spans "
                    "min(N, epochs))")
     g.add_argument("--batch-positions", type=int, default=1024, metavar="N", help="(default: %(default)s)")
-    g.add_argument("--lr", type=float, default=1e-3, help="(default: %(default)s)")
+    g.add_argument("--lr", type=float, help="(default: 1e-3 for heads, 3e-4 for a draft model)")
     g.add_argument("--warmup", type=float, default=0.05, help="(default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     g.add_argument("--eval-every", type=int, default=200, metavar="STEPS", help="(default: %(default)s)")
@@ -93,7 +106,10 @@ def config_from(args: argparse.Namespace):
                        budget_seconds=parse_duration(args.budget) if args.budget else None,
                        extract_share=args.extract_share, heldout_prompts=args.heldout_prompts,
                        draft_vocab=args.draft_vocab, head=args.head, K=args.future_tokens, num_blocks=args.num_blocks if args.num_blocks is not None else (2 if args.drafter == "redrafter" else 1),
-                       epochs=args.epochs, max_steps=args.max_steps, batch_positions=args.batch_positions, lr=args.lr, warmup=args.warmup,
+                       epochs=args.epochs, max_steps=args.max_steps, batch_positions=args.batch_positions,
+                       lr=args.lr if args.lr is not None else DEFAULT_LR[args.drafter], warmup=args.warmup,
+                       loss=args.loss, copy_layers=args.copy_layers, gamma=args.gamma,
+                       batch_sequences=args.batch_sequences,
                        seed=args.seed, eval_every=args.eval_every, save_every_seconds=args.save_every,
                        progress=not args.no_progress, init_from=args.init_from,
                        heldout_data=args.heldout_data, stop_after_steps=args.stop_after_steps)

@@ -265,7 +265,7 @@ class HeldOut:
 
     def first(self) -> dict:
         found = self.score()
-        self.log.write({"step": 0, **found})
+        self.log.write({"step": 0, "tokens": self.state.tokens, **found})
         return found
 
     def at_log(self) -> dict:
@@ -277,7 +277,7 @@ class HeldOut:
         if self.every:
             self.next = (step // self.every + 1) * self.every
         if found:
-            self.log.write({"step": step, **found})
+            self.log.write({"step": step, "tokens": self.state.tokens, **found})
         return found
 
 
@@ -415,7 +415,8 @@ def describe(plan: Plan) -> dict:
     return {**asdict(plan), "steps_per_epoch": plan.steps_per_epoch, "total_steps": plan.total_steps}
 
 
-def finish_run(accelerator, main: bool, finished: bool, state: TrainState, plan: Plan, save_final) -> int:
+def finish_run(accelerator, main: bool, finished: bool, state: TrainState, plan: Plan, save_final,
+               resume_hint: str = "rerun with --resume to continue") -> int:
     """End a training command: on the main process, ``save_final()`` (returning the final
     folder and the --drafter kind that loads it) when training finished, else say how to
     resume; then wait for every process. Returns the exit code."""
@@ -423,14 +424,22 @@ def finish_run(accelerator, main: bool, finished: bool, state: TrainState, plan:
         final, kind = save_final()
         print(f"specdraft: saved {final} (use --drafter {kind}:{final})", file=sys.stderr)
     elif main:
-        print(f"specdraft: stopped at step {state.step} of {plan.total_steps}; rerun with --resume to continue",
-              file=sys.stderr)
+        print(f"specdraft: stopped at step {state.step} of {plan.total_steps}; {resume_hint}", file=sys.stderr)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return 0
 
 
 # ---- the scaffold every trainer shares ---------------------------------------------------
+
+
+def loop_options(config, out: Path) -> LoopOptions:
+    """The loop's options from a trainer's ``configs.LoopConfig``."""
+    return LoopOptions(out=out, save_every=config.save_every, keep_checkpoints=config.keep_checkpoints,
+                       log_every=config.log_every, stop_after_steps=config.stop_after_steps,
+                       max_grad_norm=config.max_grad_norm, progress=not config.no_progress,
+                       save_every_seconds=config.save_every_seconds, resume_hint=config.resume_hint,
+                       deadline=config.deadline)
 
 
 def resume_point(out: Path, resume: bool) -> Path | None:

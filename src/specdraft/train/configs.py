@@ -55,6 +55,10 @@ class LoopConfig:
     heldout_fraction: float | None = None  # None: the data module's default (0.02)
     hidden_cache: str | None = None  # folder keeping the target's hidden states across epochs and reruns
     data: str | None = None
+    # Library-only (``specdraft fit`` sets them; no command-line option):
+    deadline: float | None = None  # time.monotonic() at which to checkpoint and stop (a budget)
+    save_every_seconds: float | None = None  # also checkpoint when this much time has passed
+    resume_hint: str = "rerun with --resume to continue"  # what a stopped run tells the user
 
     @classmethod
     def from_options(cls, options) -> "LoopConfig":
@@ -115,3 +119,4 @@ class DraftTrainConfig(LoopConfig):
     on_policy: bool = False
     on_policy_tokens: int = 128
     loss_chunk: int = 1024
+    data_offset: int = 0  # skip the first N training conversations / records (library-only)

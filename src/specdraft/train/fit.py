@@ -31,10 +31,7 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import sys
-import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -48,6 +45,7 @@ from .common import (JsonLog, LoopOptions, Plan, TrainState, cosine_schedule, fi
                      make_accelerator, train_loop)
 from .corpus import Corpus, PositionBatch, corpus_manifest, extract, to_output_space
 from .fit_eval import CURVE, CorpusEvaluator, summarise, write_curve_plot
+from .fit_stages import Budget, heldout_answers, say, sigterm_as_interrupt
 
 BLOCK = 16  # consecutive corpus positions per example: the unit the data order shuffles
 
@@ -62,7 +60,7 @@ class FitConfig:
     """
 
     out: Path
-    drafter: str = "redrafter"  # or "medusa": K independent heads, the paper's baseline
+    drafter: str = "redrafter"  # "medusa": K independent heads, the paper's baseline; "draft": a draft model
     target: str = "default"
     dtype: str = "bfloat16"
     device: str = "cpu"
@@ -94,6 +92,11 @@ class FitConfig:
     beam_width: int = 1
     beam_length: int = 3
     stop_after_steps: int | None = None  # stop as if interrupted (tests of resumption)
+    # drafter "draft" only (``train.fit_draft``):
+    loss: str = "tvdpp"  # fkl | rkl | tvd | tvdpp (``train.losses``)
+    copy_layers: str | None = None  # "I,J,...": start from these target layers at full width
+    gamma: int = 3  # held-out walk τ at γ = 1..gamma
+    batch_sequences: int = 8  # sequences per optimizer step
 
     def check(self) -> None:
         if self.num_blocks < 0 or self.eval_every < 0 or self.seq_len < 3:
@@ -106,8 +109,10 @@ class FitConfig:
                 raise SpecdraftError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.draft_vocab < 0 or not self.lr > 0 or not 0 <= self.warmup < 1 or not 0 < self.extract_share <= 1:
             raise SpecdraftError("need draft-vocab >= 0, lr > 0, 0 <= warmup < 1 and 0 < extract-share <= 1")
-        if self.drafter not in ("redrafter", "medusa"):
-            raise SpecdraftError(f"fit trains redrafter or medusa heads, got {self.drafter!r}")
+        if self.drafter not in ("redrafter", "medusa", "draft"):
+            raise SpecdraftError(f"fit trains redrafter or medusa heads or a draft model, got {self.drafter!r}")
+        if self.drafter == "draft":
+            self.check_draft()
         if self.max_steps is not None and self.max_steps < 1:
             raise SpecdraftError(f"max-steps must be >= 1, got {self.max_steps}")
         if self.data_offset < 0:
@@ -116,6 +121,24 @@ class FitConfig:
             raise SpecdraftError(f"tokens must be >= 1, got {self.tokens}")
         if self.budget_seconds is not None and not self.budget_seconds > 0:
             raise SpecdraftError(f"the budget must be > 0 seconds, got {self.budget_seconds}")
+
+
+    def check_draft(self) -> None:
+        from .losses import LOSSES
+
+        if self.loss not in LOSSES:
+            raise SpecdraftError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if self.gamma < 1 or self.batch_sequences < 1:
+            raise SpecdraftError(f"need gamma >= 1 and batch-sequences >= 1, got {self.gamma} and {self.batch_sequences}")
+        if self.tokens is not None:
+            raise SpecdraftError("--tokens bounds the heads' extraction; a draft model reads the conversations as "
+                                 "it trains: bound it with --budget or --max-steps")
+        if self.copy_layers:
+            from .draft.checks import parse_layers
+
+            parse_layers(self.copy_layers)
+        if self.init_from and self.copy_layers:
+            raise SpecdraftError("--init-from continues a draft (its shape is given); drop --copy-layers")
 
 
 # ---- the objective over the corpus ---------------------------------------------------------
@@ -175,40 +198,6 @@ class CorpusTask:
 # ---- stages --------------------------------------------------------------------------------
 
 
-class Budget:
-    """Wall-clock budget of one run (None: unbounded)."""
-
-    def __init__(self, seconds: float | None):
-        self.start = time.monotonic()
-        self.seconds = seconds
-
-    def deadline(self, share: float = 1.0) -> float | None:
-        return None if self.seconds is None else self.start + share * self.seconds
-
-    def left(self) -> float:
-        return math.inf if self.seconds is None else self.start + self.seconds - time.monotonic()
-
-
-def say(message: str) -> None:
-    print(f"specdraft: {message}", file=sys.stderr, flush=True)
-
-
-def heldout_answers(config: FitConfig, target, path: Path) -> None:
-    """Stage 1: the target's greedy answers to the first ``heldout_prompts`` held-out
-    ShareGPT prompts (resumable distill file)."""
-    from ..data.sharegpt import first_turn, load_conversations
-    from ..distill import DistillReport, distill_responses, make_prompts
-    from ..drafters.lookup import LookupDrafter
-    from ..engine import SpeculativeEngine
-
-    convs, _ = load_conversations(None if config.data == "sharegpt" else config.data, "heldout",
-                                  config.heldout_prompts)
-    prompts = make_prompts(target.tokenizer, [(c.id, first_turn(c)) for c in convs], 1024, DistillReport())
-    engine = SpeculativeEngine(target, LookupDrafter())  # exact: the same answers as plain decoding
-    distill_responses(engine, prompts, [0.0], path, max_new_tokens=config.heldout_max_new_tokens,
-                      batch_size=8, progress=config.progress)
-
-
 def build_corpora(config: FitConfig, target, budget: Budget) -> tuple[Corpus, Corpus]:
     """Stage 2: extract (or continue extracting) both corpora; returns them opened."""
     from .examples import load_examples
@@ -255,19 +244,6 @@ def draft_vocabulary(config: FitConfig, corpus: Corpus, held: Corpus, vocab_size
     say(f"draft vocabulary: {vocab.size} tokens cover {record['train_coverage']:.1%} of the target's training "
         f"labels, {record['heldout_coverage']:.1%} held out")
     return vocab
-
-
-@contextmanager
-def sigterm_as_interrupt():
-    """SIGTERM ends training like Ctrl-C: the loop saves a checkpoint first."""
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def build_objective(config: FitConfig, target, vocab: DraftVocab | None):
@@ -409,6 +385,10 @@ def run_fit(config: FitConfig) -> int:
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     target = load_target(config.target, config.device, config.dtype, config.trust_remote_code)
+    if config.drafter == "draft":
+        from .fit_draft import fit_draft
+
+        return fit_draft(config, target, budget)
     with sigterm_as_interrupt():
         corpus, held = build_corpora(config, target, budget)
     vocab = draft_vocabulary(config, corpus, held, int(target.vocab_size))

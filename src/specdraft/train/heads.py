@@ -34,9 +34,9 @@ from ..data.chat import IGNORE
 from ..errors import SpecdraftError
 from ..heads import MedusaHeads, ReDrafterHead
 from .configs import HeadTrainConfig
-from .common import (HeldOut, JsonLog, LoopOptions, Plan, TargetStatesTask, TrainState, cosine_schedule, describe,
-                     finish_run, load_target_for, make_accelerator, open_hidden_cache, reduced_sums, resume_point,
-                     train_loop)
+from .common import (HeldOut, JsonLog, Plan, TargetStatesTask, TrainState, cosine_schedule, describe,
+                     finish_run, load_target_for, loop_options, make_accelerator, open_hidden_cache, reduced_sums,
+                     resume_point, train_loop)
 from .examples import Batch, ExampleSet, collate, load_examples
 from .hidden_cache import HiddenCache
 from .walk import greedy_walk, labelled_spans
@@ -333,13 +333,11 @@ def run(config: HeadTrainConfig) -> int:
         if main:
             print(f"specdraft: before training, on {len(held)} held-out sequences: "
                   f"{summarise_eval(first, config.future_tokens)}", file=sys.stderr)
-    opts = LoopOptions(out=out, save_every=config.save_every, keep_checkpoints=config.keep_checkpoints,
-                       log_every=config.log_every, stop_after_steps=config.stop_after_steps,
-                       max_grad_norm=config.max_grad_norm, progress=not config.no_progress)
+    opts = loop_options(config, out)
     finished = train_loop(accelerator, task, model, optimizer, scheduler, plan, state, opts)
     return finish_run(accelerator, main, finished, state, plan,
                       lambda: (save_final(accelerator.unwrap_model(model).head, out / "final", record, state),
-                               config.arch))
+                               config.arch), config.resume_hint)
 
 
 def heldout_examples(config, target) -> list:

@@ -53,5 +53,7 @@ def check_config(config) -> None:
     if config.on_policy and (config.stage != "finetune" or config.hidden_cache):
         raise SpecdraftError("--on-policy is for --stage finetune, without --hidden-cache (the sequences change "
                              "every step)")
+    if config.data_offset < 0 or (config.data_offset and config.stage != "finetune"):
+        raise SpecdraftError(f"data-offset must be >= 0 and is for --stage finetune, got {config.data_offset}")
     if config.on_policy_tokens < 1:
         raise SpecdraftError(f"--on-policy-tokens must be >= 1, got {config.on_policy_tokens}")

@@ -14,8 +14,8 @@ from torch import nn
 
 from ...drafters.draft_model import save_vocab
 from ..configs import DraftTrainConfig
-from ..common import (HeldOut, JsonLog, LoopOptions, Plan, TrainState, cosine_schedule, describe, finish_run,
-                      load_target_for, make_accelerator, open_hidden_cache, resume_point, train_loop)
+from ..common import (HeldOut, JsonLog, Plan, TrainState, cosine_schedule, describe, finish_run,
+                      load_target_for, loop_options, make_accelerator, open_hidden_cache, resume_point, train_loop)
 from .checks import check_config, parse_layers
 from .data import answer_vocabulary, eval_examples_from, finetune_data, pretrain_data
 from .evaluate import Evaluator
@@ -172,8 +172,9 @@ def save_final(config, out: Path, trained, target, draft: BuiltDraft, facts: Tar
     return final, "draft"
 
 
-def run(config: DraftTrainConfig) -> int:
-    """Train one stage as ``config`` says; returns the exit code."""
+def run(config: DraftTrainConfig, target=None) -> int:
+    """Train one stage as ``config`` says; returns the exit code. ``target``: the target
+    already loaded (``specdraft fit``), else loaded here."""
     from accelerate.utils import set_seed
 
     check_config(config)
@@ -182,7 +183,7 @@ def run(config: DraftTrainConfig) -> int:
     accelerator = make_accelerator(cpu=config.device == "cpu", mixed_precision=config.mixed_precision)
     main = accelerator.is_main_process
     resume_from = resume_point(out, config.resume)
-    target = load_target_for(config, accelerator)
+    target = target if target is not None else load_target_for(config, accelerator)
     facts = TargetFacts.of(target)
     train, held, data_describe = training_data(config, target)
     draft = prepare_draft(config, target, facts, copy_layers, train)
@@ -215,9 +216,8 @@ def run(config: DraftTrainConfig) -> int:
                  state.step if resume_from is not None else None)
     if resume_from is None and held_out is not None:
         score_before_training(held_out, main)
-    opts = LoopOptions(out=out, save_every=config.save_every, keep_checkpoints=config.keep_checkpoints,
-                       log_every=config.log_every, stop_after_steps=config.stop_after_steps,
-                       max_grad_norm=config.max_grad_norm, progress=not config.no_progress)
+    opts = loop_options(config, out)
     finished = train_loop(accelerator, task, model, optimizer, scheduler, plan, state, opts)
     return finish_run(accelerator, main, finished, state, plan, lambda: save_final(
-        config, out, accelerator.unwrap_model(model).draft, target, draft, facts, state, record, loss_name))
+        config, out, accelerator.unwrap_model(model).draft, target, draft, facts, state, record, loss_name),
+        config.resume_hint)

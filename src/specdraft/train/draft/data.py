@@ -139,12 +139,12 @@ def finetune_data(config, target):
         describe = {"source": "distill", "path": spec, "records": len(train_r), "heldout_records": len(held_r),
                     "heldout_fraction": frac, "seq_len": config.seq_len,
                     "temperatures": sorted({float(r.get("temperature", 0.0)) for r in records})}
-        train = record_examples(train_r, target.tokenizer, config.seq_len, 1, describe)
+        train = record_examples(train_r, target.tokenizer, config.seq_len, 1, describe).skip(config.data_offset)
         held = record_examples(held_r, target.tokenizer, config.seq_len, 1, describe) if held_r else None
         held_examples = [held[i] for i in range(len(held))] if held is not None else []
     else:
         train = load_examples(spec, target.tokenizer, seq_len=config.seq_len, K=1, eos_ids=target.eos_ids,
-                              limit=config.limit, heldout_fraction=frac)
+                              limit=config.limit, heldout_fraction=frac).skip(config.data_offset)
         describe = train.describe
         path = None if spec == "sharegpt" else Path(spec)
         convs, _ = load_conversations(path, "heldout", config.eval_examples, frac)
