@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections import Counter
 from functools import partial
 
@@ -14,8 +15,8 @@ import torch
 
 import test_sampling_exact as exact
 from drafters_for_tests import RandomBeamsDrafter
-from specdraft.adaptive import (AdaptivePolicy, CostModel, RowStats, best_size, cost_model_key, cost_model_path,
-                                load_cost_model)
+from specdraft.adaptive import (EXPLORE_SHARE, AdaptivePolicy, CostModel, RowStats, best_size, cost_model_key,
+                                cost_model_path, load_cost_model)
 from specdraft.drafters import LookupDrafter, NoDrafter
 from specdraft.drafters.base import DraftContext, Drafter, Proposal
 from specdraft.engine import SpeculativeEngine
@@ -313,10 +314,31 @@ def test_a_row_with_nothing_to_draft_does_not_keep_the_batch_probing():
     match) has had its probe too, or it would stay due and force a tree on every step."""
     policy = AdaptivePolicy(STEEP)  # drafting never pays: only probes draft
     stats, budget = [stats_with([0.05] * 8), stats_with([0.05] * 8)], torch.tensor([5, 5])
-    for _ in range(8):
-        assert policy.plan(stats, budget, 0) == 0
+    steps = 0
+    while policy.plan(stats, budget, 0) == 0:  # off until a probe is due and paid for
         policy.observe(stats, [0, 0], [0, 0], None, off=True)
-    assert policy.plan(stats, budget, 0) == 1  # a probe
+        policy.observe_step(False, 2, 0, STEEP(2))  # a plain step of the two rows earns probe credit
+        steps += 1
+    # Due after 8 steps off; paid once 3% of the steps cover the probe's extra STEEP(4) - STEEP(2).
+    assert policy.probing and steps == math.ceil((STEEP(4) - STEEP(2)) / (EXPLORE_SHARE * STEEP(2)))
     policy.observe(stats, [1, 0], [0, 0], None, off=False)  # row 0 drafted and missed, row 1 had nothing
     assert not any(s.probe_due for s in stats)
     assert policy.plan(stats, budget, 0) == 0
+
+
+def test_probes_cost_at_most_the_exploration_share_at_any_batch_size():
+    """16 rows whose drafts never pay: probes (each padding the whole batch's tree) take at
+    most EXPLORE_SHARE of the decode time, however the rows' probe times interleave."""
+    policy = AdaptivePolicy(LINEAR)
+    B = 16
+    stats, budget = [stats_with([0.01] * 8) for _ in range(B)], torch.full((B,), 5)
+    for i, s in enumerate(stats):
+        s.off_streak = i  # due at different steps
+    plain = total = 0.0
+    for _ in range(2000):
+        n = policy.plan(stats, budget, 0)
+        seconds = LINEAR(B * (1 + n))
+        total, plain = total + seconds, plain + LINEAR(B)
+        policy.observe(stats, [n] * B, [0] * B, None, off=n == 0)
+        policy.observe_step(n > 0, B * (1 + n), 0, seconds)
+    assert 1.0 < total / plain <= 1 + EXPLORE_SHARE + 1e-9

@@ -65,6 +65,27 @@ def test_draft_vocab_head_round_trips_and_stays_exact(tiny_target, tmp_path, var
     assert got == ref
 
 
+@pytest.mark.parametrize("variant", ["own", "shared"])
+def test_beam_search_over_a_draft_vocab_finds_the_full_vocabulary_beams(tiny_target, variant):
+    """The search runs over the N draft ids; its beams and scores are those of a search
+    over the full-vocabulary logits (-inf outside the vocabulary), in target ids."""
+    from specdraft.heads.beam_search import _gather_beams, beam_search, redrafter_beam_search
+
+    torch.manual_seed(2)
+    vocab = DraftVocab(8, int(tiny_target.vocab_size))
+    vocab.set_ids(torch.tensor([0, 2, 3, 5, 7, 8, 11, 13]))
+    head = ReDrafterHead.for_target(tiny_target, head=variant, draft_vocab=vocab)
+    h, g0 = torch.randn(3, 32), torch.tensor([1, 4, 9])
+    s1 = head.step(head.initial_state((3, 1)), g0[:, None])
+    for W, L in ((1, 4), (3, 3), (8, 2)):
+        got = redrafter_beam_search(head, h, g0, W, L)
+        ref = beam_search(g0, s1, lambda s, d: torch.log_softmax(head.logits(h[:, None], s), dim=-1),
+                          lambda s, parent, token: head.step(_gather_beams(s, parent), token), W, L)
+        assert torch.equal(got.beams, ref.beams) and torch.equal(got.valid, ref.valid)
+        assert torch.allclose(got.scores, ref.scores, atol=1e-5)
+        assert vocab.t2d[got.beams[:, :, 1:][got.valid[:, :, 1:]]].all()  # drafted tokens are in the vocabulary
+
+
 def test_inconsistent_vocab_buffers_are_refused(tiny_target, tmp_path):
     from safetensors.torch import save_file
 

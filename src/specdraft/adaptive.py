@@ -54,6 +54,12 @@ COST_LONG_TOKENS = (1, 8, 32)
 PRIOR_STRENGTH = 2.0  # pseudo-trials of the Beta prior per depth
 DECAY = 0.95  # evidence weight kept per drafted step: about the last 20 steps count
 PROBE_START, PROBE_MAX = 8, 128  # steps off before a probe; doubles after a failed probe
+# Probes draft where the estimates say it does not pay, to find out whether that changed. At
+# batch B a probe pads the whole batch's tree (cost(2B) instead of cost(B)), so rows taking
+# turns would make most steps probes at batch 16 (measured: 0.85x plain decoding); probes
+# are paid from a credit of this share of the decode time instead, and all due rows probe
+# together.
+EXPLORE_SHARE = 0.03
 SLACK = 1  # drafters may draft this much deeper than planned: confidences may justify it
 MAX_DEPTH = 16
 
@@ -278,6 +284,8 @@ class AdaptivePolicy:
         self.cost, self.prior = cost, prior
         self.draft_time = DraftTimer()
         self.step_ratio = StepCostRatio()
+        self.probe_credit = 0.0  # seconds of exploration earned (EXPLORE_SHARE of each step)
+        self.probing = False  # the last plan drafted only because a probe was due and paid for
 
     def new_row(self, drafter, params=None) -> RowStats:
         """Stats for a new request. A seeded sampling request keeps the drafter's fixed
@@ -296,11 +304,14 @@ class AdaptivePolicy:
         """A finished step: ``tokens`` padded tree tokens over the batch (B for a plain step)
         with ``width`` cached slots took ``seconds`` of wall time, drafting excluded."""
         self.step_ratio.record(tree, seconds, self.cost(tokens, width))
+        self.probe_credit += EXPLORE_SHARE * seconds
 
     def plan(self, stats: list[RowStats], budget: torch.Tensor, width: int) -> int:
         """Depth to draft this step (0: drafting off, no drafter call), from the rates alone.
 
-        budget (B,): tokens a row may hold, g0 included (so it drafts <= budget - 1)."""
+        budget (B,): tokens a row may hold, g0 included (so it drafts <= budget - 1).
+        ``self.probing`` says whether the depth is a probe's (``afford_probe``)."""
+        self.probing = False
         counts = (budget - 1).clamp(min=0, max=MAX_DEPTH).cpu()
         depth = int(counts.max()) if len(stats) else 0
         if any(s.fixed for s in stats):  # never off: a fixed row's verification must not change
@@ -309,8 +320,22 @@ class AdaptivePolicy:
             return 0
         rates = torch.tensor([s.rates(depth) for s in stats], dtype=torch.float64)
         gains = torch.nn.functional.pad(rates.cumprod(dim=1).cumsum(dim=1), (1, 0))
-        n = best_size(gains, counts, self.seconds(len(stats), width))
-        return max(n, 1) if n == 0 and any(s.probe_due for s in stats) else n
+        seconds = self.seconds(len(stats), width)
+        n = best_size(gains, counts, seconds)
+        self.probing = n == 0 and self.afford_probe(stats, seconds)
+        return 1 if self.probing else n
+
+    def afford_probe(self, stats: list[RowStats], seconds) -> bool:
+        """Whether some row is due for a probe and the credit pays for what it adds to this
+        step (seconds(1) - seconds(0): the padded tree and the drafter call); if so, spend it."""
+        if not any(s.probe_due for s in stats):
+            return False
+        extra = max(seconds(1) - seconds(0), 0.0)
+        self.probe_credit = min(self.probe_credit, 2 * extra)  # no burst after a long quiet stretch
+        if self.probe_credit < extra:
+            return False
+        self.probe_credit -= extra
+        return True
 
     def node_values(self, proposal, stats: list[RowStats], use_conf: torch.Tensor, owner: torch.Tensor):
         """v (B, W, L): P(token (w, j) is accepted) = product of p along its path (v[:, :, 0] = 1)."""

@@ -211,8 +211,7 @@ class SpeculativeEngine:
         self.policy.draft_time.record(depth + SLACK, seconds)
         # Sampled drafts (q) must not be cut by their own drawn tokens' confidences.
         use_conf = ctx.greedy | (proposal.q is None)
-        probe = any(s.probe_due for s in stats)
-        valid = self.policy.choose(proposal, stats, use_conf, batch.cache.width, seconds, probe)
+        valid = self.policy.choose(proposal, stats, use_conf, batch.cache.width, seconds, self.policy.probing)
         return replace(proposal, valid=valid)
 
     @staticmethod

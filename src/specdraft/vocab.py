@@ -64,8 +64,14 @@ class DraftVocab(nn.Module):
         return int(self.d2t.shape[0])
 
     def ids(self) -> torch.Tensor:
-        """(N,) long: the target id of each draft id."""
-        return self.d2t + torch.arange(self.size, device=self.d2t.device)
+        """(N,) long: the target id of each draft id. Cached (the same tensor until d2t
+        changes: in place, e.g. load_state_dict, or by a move), so that users may key their
+        own caches on it (``heads.parts``: the LM head rows of a shared head)."""
+        key = (self.d2t.data_ptr(), self.d2t._version, self.d2t.device)
+        if getattr(self, "_ids_key", None) != key:
+            self._ids = self.d2t + torch.arange(self.size, device=self.d2t.device)
+            self._ids_key = key
+        return self._ids
 
     def to_draft(self, target_ids: torch.Tensor) -> torch.Tensor:
         """Target ids (any shape, long) -> draft ids, -1 where not in the vocabulary (and

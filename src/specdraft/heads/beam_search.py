@@ -126,18 +126,28 @@ def redrafter_beam_search(head, hidden: torch.Tensor, g0: torch.Tensor, width: i
                           length: int) -> BeamResult:
     """Beam search with a ``ReDrafterHead``: hidden (B, d) is h, g0 (B,) the root token.
 
-    The state of a beam is its RNN state s_j (after feeding g0, y_1, ..., y_{j-1}).
+    The state of a beam is its RNN state s_j (after feeding g0, y_1, ..., y_{j-1}). With a
+    draft vocabulary of N tokens the search runs over the N draft ids (the other V - N
+    tokens have probability 0: the same beams, without a softmax and top-k over V per
+    depth) and the drafted tokens are mapped to target ids on the way (the recurrence
+    embeds target ids) and in the result.
     """
     h = hidden[:, None, :]  # (B, 1, d), broadcast over beams
     s1 = head.step(head.initial_state((g0.shape[0], 1), device=g0.device), g0[:, None])
+    vocab = head.draft_vocab
+    to_target = (lambda t: t) if vocab is None else vocab.to_target
 
     def log_probs(state, depth):
-        return torch.log_softmax(head.logits(h, state), dim=-1)
+        return torch.log_softmax(head.draft_logits(h, state), dim=-1)
 
     def advance(state, parent, token):
-        return head.step(_gather_beams(state, parent), token)
+        return head.step(_gather_beams(state, parent), to_target(token))
 
-    return beam_search(g0, s1, log_probs, advance, width, length)
+    result = beam_search(g0, s1, log_probs, advance, width, length)
+    if vocab is not None:
+        drafted = torch.where(result.valid[:, :, 1:], to_target(result.beams[:, :, 1:]), 0)
+        result.beams = torch.cat([result.beams[:, :, :1], drafted], dim=2)
+    return result
 
 
 def independent_beam_search(log_probs_by_depth: torch.Tensor, g0: torch.Tensor, width: int,

@@ -347,7 +347,8 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
     head = accelerator.unwrap_model(model).head
     write_curve_plot(Path(config.out))
     finish_run(accelerator, accelerator.is_main_process, finished, state, plan,
-               lambda: (save_final(head, Path(config.out) / "final", config, state, corpus), config.drafter))
+               lambda: (save_final(head, Path(config.out) / "final", config, state, corpus), config.drafter),
+               opts.resume_hint)
     if not finished and accelerator.is_main_process and state.step:
         # A usable drafter even mid-schedule (the checkpoint's weights; training goes on from the checkpoint).
         latest = save_final(head, Path(config.out) / "latest", config, state, corpus)
