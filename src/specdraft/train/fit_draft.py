@@ -90,6 +90,8 @@ def write_curve(out: Path, eval_log: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .fit_eval import save_figure
+
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     x = [r.get("tokens", r["step"]) for r in rows]
     for key in sorted(k for k in rows[-1] if k.startswith("eval_tau_walk_g")):
@@ -98,9 +100,4 @@ def write_curve(out: Path, eval_log: Path) -> None:
     ax2.plot(x, [r.get("eval_greedy_accept") for r in rows], marker=".", label="greedy agreement")
     ax1.set(xlabel="training tokens", ylabel="held-out greedy τ", title="τ (engine's walk)")
     ax2.set(xlabel="training tokens", ylabel="per-token acceptance", title="acceptance")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "curve.png", dpi=100)
-    plt.close(fig)
+    save_figure(fig, (ax1, ax2), out / "curve.png")

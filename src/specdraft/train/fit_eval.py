@@ -98,9 +98,16 @@ def write_curve_plot(out: Path) -> None:
         ax2.plot(x, [r[key] for r in rows], marker=".", label=f"depth {int(key.rsplit('_', 1)[1]) + 1}")
     ax1.set(xlabel="training positions", ylabel="held-out greedy τ (W=1)", title="τ")
     ax2.set(xlabel="training positions", ylabel="held-out top-1 accuracy", title="accuracy per depth")
-    for ax in (ax1, ax2):
+    save_figure(fig, (ax1, ax2), out / "curve.png")
+
+
+def save_figure(fig, axes, path: Path) -> None:
+    """Grid and legend on each panel, then the figure to ``path`` (the fits' curve.png)."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "curve.png", dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
