@@ -322,8 +322,9 @@ def test_warm_start_takes_a_full_vocabulary_head_into_a_draft_vocabulary(tiny_ta
 
 def test_fit_trains_a_draft_model_resumably_and_it_stays_exact(tiny_target_path, tiny_target, data, answers,
                                                                tmp_path):
-    """The draft model's pipeline in one command: stopped and continued it ends with the
-    weights of an uninterrupted run; the result loads as draft:OUT/final and is exact."""
+    """The draft model's pipeline in one command: stopped, it leaves a loadable OUT/latest;
+    continued, it ends with the weights of an uninterrupted run; the result loads as
+    draft:OUT/final and is exact."""
     from safetensors.torch import load_file as load
 
     common = ["--drafter", "draft", "--heldout-data", str(answers), "--copy-layers", "0", "--epochs", "2",
@@ -331,6 +332,8 @@ def test_fit_trains_a_draft_model_resumably_and_it_stays_exact(tiny_target_path,
     assert fit(tiny_target_path, data, tmp_path / "a", *common) == 0
     assert fit(tiny_target_path, data, tmp_path / "b", *common, "--stop-after-steps", "2") == 0
     assert not (tmp_path / "b" / "final").exists()
+    build_drafter(f"draft:{tmp_path / 'b' / 'latest'}", tiny_target, gamma=2)  # usable mid-schedule
+    assert json.loads((tmp_path / "b" / "latest" / "specdraft.json").read_text())["stages"][-1]["steps"] == 2
     assert fit(tiny_target_path, data, tmp_path / "b", *common) == 0
     a, b = (load(tmp_path / r / "final" / "model.safetensors") for r in "ab")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

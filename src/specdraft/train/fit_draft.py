@@ -14,7 +14,8 @@ Stages, each resumable (the same command continues where a run stopped):
                  ``save_every_seconds``; the budget stops it with a checkpoint
     3. final     OUT/final (written by the trainer when the schedule ends): loadable as
                  ``draft:OUT/final``, as transformers' ``assistant_model`` (full
-                 vocabulary export: ``specdraft export hf``)
+                 vocabulary export: ``specdraft export hf``). A run stopped before
+                 (budget, Ctrl-C) leaves the draft as it stands in OUT/latest
 
 The draft starts from (first that applies): ``init_from`` (a draft folder, or "default":
 the draft shipped for the default target), ``copy_layers`` (those target layers at full
@@ -57,7 +58,7 @@ def draft_config(config, heldout: Path, deadline: float | None) -> DraftTrainCon
 
 def fit_draft(config, target, budget) -> int:
     """All stages for a draft model; returns the exit code (0 also when the budget stopped it)."""
-    from .draft.command import EVAL_LOG, run
+    from .draft.command import EVAL_LOG, LATEST, run
     from .fit_stages import heldout_answers, say, sigterm_as_interrupt
 
     out = Path(config.out)
@@ -67,9 +68,11 @@ def fit_draft(config, target, budget) -> int:
             heldout_answers(config, target, heldout)
         code = run(draft_config(config, heldout, budget.deadline()), target=target)
     write_curve(out, out / "train" / EVAL_LOG)
-    if (out / "train" / "final").is_dir() and not (out / "final").exists():
-        # Relative, so that the run folder can be moved; the trainer rewrites train/final.
-        (out / "final").symlink_to(Path("train") / "final", target_is_directory=True)
+    for name in ("final", LATEST):
+        if (out / "train" / name).is_dir() and not (out / name).exists():
+            # Relative, so that the run folder can be moved; the trainer rewrites train/NAME.
+            (out / name).symlink_to(Path("train") / name, target_is_directory=True)
+    if (out / "final").is_dir():
         say(f"the draft is in {out / 'final'} (use --drafter draft:{out / 'final'})")
     return code
 

@@ -27,6 +27,7 @@ from .task import DraftTask
 
 STAGES = ("pretrain", "finetune")
 EVAL_LOG = "eval.jsonl"
+LATEST = "latest"  # the draft as it stands when a run stops mid-schedule
 DEFAULT_LR = {"pretrain": 1e-3, "finetune": 3e-4}
 
 
@@ -146,9 +147,10 @@ def score_before_training(held_out: HeldOut, main: bool) -> None:
 
 
 def save_final(config, out: Path, trained, target, draft: BuiltDraft, facts: TargetFacts, state: TrainState,
-               record: dict, loss_name: str) -> tuple[Path, str]:
-    """OUT/final: the trained draft (``trained``), its vocabulary, and a specdraft.json
-    whose stages are the continued folder's and this one (with its last evaluation)."""
+               record: dict, loss_name: str, name: str = "final") -> tuple[Path, str]:
+    """OUT/final (or OUT/``name``): the trained draft (``trained``), its vocabulary, and a
+    specdraft.json whose stages are the continued folder's and this one (with its last
+    evaluation)."""
     from ...checkpoint import target_signature
 
     last = {}
@@ -166,7 +168,7 @@ def save_final(config, out: Path, trained, target, draft: BuiltDraft, facts: Tar
             "target_parameters": facts.parameters, "parameters": n_draft,
             "fraction": round(n_draft / facts.parameters, 5), "shape": asdict(draft.shape), "init": draft.init,
             "stages": draft.history + [stage]}
-    final = save_draft(trained, target.tokenizer, out / "final", meta, dtype=config.save_dtype)
+    final = save_draft(trained, target.tokenizer, out / name, meta, dtype=config.save_dtype)
     if vocab is not None:
         save_vocab(vocab, final)
     return final, "draft"
@@ -218,6 +220,11 @@ def run(config: DraftTrainConfig, target=None) -> int:
         score_before_training(held_out, main)
     opts = loop_options(config, out)
     finished = train_loop(accelerator, task, model, optimizer, scheduler, plan, state, opts)
-    return finish_run(accelerator, main, finished, state, plan, lambda: save_final(
-        config, out, accelerator.unwrap_model(model).draft, target, draft, facts, state, record, loss_name),
-        config.resume_hint)
+    trained = accelerator.unwrap_model(model).draft
+    code = finish_run(accelerator, main, finished, state, plan, lambda: save_final(
+        config, out, trained, target, draft, facts, state, record, loss_name), config.resume_hint)
+    if main and not finished and state.step:
+        # A usable draft even mid-schedule (the checkpoint's weights; training goes on from the checkpoint).
+        latest, _ = save_final(config, out, trained, target, draft, facts, state, record, loss_name, name=LATEST)
+        print(f"specdraft: the draft as it stands is in {latest} (use --drafter draft:{latest})", file=sys.stderr)
+    return code
