@@ -15,7 +15,7 @@ import torch
 
 import test_sampling_exact as exact
 from drafters_for_tests import RandomBeamsDrafter
-from specdraft.adaptive import (EXPLORE_SHARE, AdaptivePolicy, CostModel, RowStats, best_size, cost_model_key,
+from specdraft.adaptive import (EXPLORE_SHARE, LOOK_SHARE, SLACK, AdaptivePolicy, CostModel, RowStats, best_size, cost_model_key,
                                 cost_model_path, load_cost_model)
 from specdraft.drafters import LookupDrafter, NoDrafter
 from specdraft.drafters.base import DraftContext, Drafter, Proposal
@@ -324,6 +324,31 @@ def test_a_row_with_nothing_to_draft_does_not_keep_the_batch_probing():
     policy.observe(stats, [1, 0], [0, 0], None, off=False)  # row 0 drafted and missed, row 1 had nothing
     assert not any(s.probe_due for s in stats)
     assert policy.plan(stats, budget, 0) == 0
+
+
+def test_a_cheap_confident_drafter_is_asked_where_its_rates_say_off():
+    """Rates say drafting does not pay; a drafter whose call costs under LOOK_SHARE of a
+    plain step and whose proposals carry confidences is asked anyway, and its confidences
+    decide: sure candidates are verified, unsure ones give a plain step. A dear call is not
+    made."""
+    stats, budget, look = [stats_with([0.01] * 8)], torch.tensor([3]), torch.tensor([True])
+    policy = AdaptivePolicy(LINEAR)
+    assert policy.plan(stats, budget, 0) == 0 and not policy.looking  # no confidences seen yet
+    sure, unsure = FixedTree([[1, 0.99, 0.99], [1, 0.01, 0.01]]), FixedTree([[1, 0.02, 0.01], [1, 0.01, 0.01]])
+    policy.draft_time.record(2 + SLACK, 0.5 * LOOK_SHARE * LINEAR(1))
+    kept = policy.choose(sure.propose(None), stats, look, 0, 0.0, False)
+    assert kept[0].long().tolist() == [[1, 1, 1], [1, 0, 0]]  # the confidences, not the rates
+    assert policy.plan(stats, budget, 0) == 2 and policy.looking and not policy.probing
+    assert not policy.choose(unsure.propose(None), stats, look, 0, 0.0, False)[:, :, 1:].any()
+    dear = AdaptivePolicy(LINEAR)
+    dear.draft_time.record(2 + SLACK, 2 * LOOK_SHARE * LINEAR(1))
+    dear.choose(sure.propose(None), stats, look, 0, 0.0, False)
+    assert dear.plan(stats, budget, 0) == 0 and not dear.looking
+    # confidences the policy may not use (sampled drafts) give no looks either
+    blind = AdaptivePolicy(LINEAR)
+    blind.draft_time.record(2 + SLACK, 0.5 * LOOK_SHARE * LINEAR(1))
+    blind.choose(sure.propose(None), stats, torch.tensor([False]), 0, 0.0, False)
+    assert blind.plan(stats, budget, 0) == 0
 
 
 def test_probes_cost_at_most_the_exploration_share_at_any_batch_size():
