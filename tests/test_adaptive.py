@@ -15,7 +15,7 @@ import torch
 
 import test_sampling_exact as exact
 from drafters_for_tests import RandomBeamsDrafter
-from specdraft.adaptive import (EXPLORE_SHARE, LOOK_SHARE, SLACK, AdaptivePolicy, CostModel, RowStats, best_size, cost_model_key,
+from specdraft.adaptive import (EXPLORE_SHARE, LOOK_MAX_ROWS, LOOK_SHARE, SLACK, AdaptivePolicy, CostModel, RowStats, best_size, cost_model_key,
                                 cost_model_path, load_cost_model)
 from specdraft.drafters import LookupDrafter, NoDrafter
 from specdraft.drafters.base import DraftContext, Drafter, Proposal
@@ -340,6 +340,7 @@ def test_a_cheap_confident_drafter_is_asked_where_its_rates_say_off():
     assert kept[0].long().tolist() == [[1, 1, 1], [1, 0, 0]]  # the confidences, not the rates
     assert policy.plan(stats, budget, 0) == 2 and policy.looking and not policy.probing
     assert not policy.choose(unsure.propose(None), stats, look, 0, 0.0, False)[:, :, 1:].any()
+    assert policy.plan(stats * (LOOK_MAX_ROWS + 1), budget.repeat(LOOK_MAX_ROWS + 1), 0) == 0  # batches: no looks
     dear = AdaptivePolicy(LINEAR)
     dear.draft_time.record(2 + SLACK, 2 * LOOK_SHARE * LINEAR(1))
     dear.choose(sure.propose(None), stats, look, 0, 0.0, False)
