@@ -416,15 +416,21 @@ def describe(plan: Plan) -> dict:
 
 
 def finish_run(accelerator, main: bool, finished: bool, state: TrainState, plan: Plan, save_final,
-               resume_hint: str = "rerun with --resume to continue") -> int:
+               resume_hint: str = "rerun with --resume to continue", save_latest=None) -> int:
     """End a training command: on the main process, ``save_final()`` (returning the final
     folder and the --drafter kind that loads it) when training finished, else say how to
-    resume; then wait for every process. Returns the exit code."""
+    resume and, given ``save_latest`` (same return), save the drafter as it stands (a usable
+    drafter mid-schedule; training goes on from the checkpoint); then wait for every
+    process. Returns the exit code."""
     if main and finished:
         final, kind = save_final()
         print(f"specdraft: saved {final} (use --drafter {kind}:{final})", file=sys.stderr)
     elif main:
         print(f"specdraft: stopped at step {state.step} of {plan.total_steps}; {resume_hint}", file=sys.stderr)
+        if save_latest is not None and state.step:
+            latest, kind = save_latest()
+            print(f"specdraft: the drafter as it stands is in {latest} (use --drafter {kind}:{latest})",
+                  file=sys.stderr)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return 0

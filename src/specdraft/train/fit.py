@@ -346,13 +346,9 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
         finished = train_loop(accelerator, task, model, optimizer, scheduler, plan, state, opts)
     head = accelerator.unwrap_model(model).head
     write_curve_plot(Path(config.out))
-    finish_run(accelerator, accelerator.is_main_process, finished, state, plan,
-               lambda: (save_final(head, Path(config.out) / "final", config, state, corpus), config.drafter),
-               opts.resume_hint)
-    if not finished and accelerator.is_main_process and state.step:
-        # A usable drafter even mid-schedule (the checkpoint's weights; training goes on from the checkpoint).
-        latest = save_final(head, Path(config.out) / "latest", config, state, corpus)
-        say(f"the head as it stands is in {latest} (use --drafter {config.drafter}:{latest})")
+    save = lambda name: (save_final(head, Path(config.out) / name, config, state, corpus), config.drafter)  # noqa: E731
+    finish_run(accelerator, accelerator.is_main_process, finished, state, plan, lambda: save("final"),
+               opts.resume_hint, save_latest=lambda: save("latest"))
     return finished
 
 

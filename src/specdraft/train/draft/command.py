@@ -221,10 +221,6 @@ def run(config: DraftTrainConfig, target=None) -> int:
     opts = loop_options(config, out)
     finished = train_loop(accelerator, task, model, optimizer, scheduler, plan, state, opts)
     trained = accelerator.unwrap_model(model).draft
-    code = finish_run(accelerator, main, finished, state, plan, lambda: save_final(
-        config, out, trained, target, draft, facts, state, record, loss_name), config.resume_hint)
-    if main and not finished and state.step:
-        # A usable draft even mid-schedule (the checkpoint's weights; training goes on from the checkpoint).
-        latest, _ = save_final(config, out, trained, target, draft, facts, state, record, loss_name, name=LATEST)
-        print(f"specdraft: the draft as it stands is in {latest} (use --drafter draft:{latest})", file=sys.stderr)
-    return code
+    save = lambda name: save_final(config, out, trained, target, draft, facts, state, record, loss_name, name)  # noqa: E731
+    return finish_run(accelerator, main, finished, state, plan, lambda: save("final"), config.resume_hint,
+                      save_latest=lambda: save(LATEST))
