@@ -11,7 +11,7 @@ concurrency level, stops the server with SIGTERM, and prints a Markdown table:
 
 Everything stays on 127.0.0.1 and every level sends a bounded number of requests.
 
-    .venv/bin/python scripts/bench_server.py --drafters none,lookup --concurrency 1,4,16 --requests 32
+    .venv/bin/python scripts/bench_server.py --drafters none,lookup --concurrency 1,4,16 --requests 32 --rounds 3
     # smoke test with a tiny model: --target PATH --completions --max-tokens 8 --requests 4
 """
 
@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from urllib.parse import urlparse
 
 
@@ -44,17 +45,34 @@ def main() -> None:
     ap.add_argument("--completions", action="store_true",
                     help="use /v1/completions with raw prompts (for targets without a chat template)")
     ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every (drafter, level) this many times, interleaved (all servers stay up, "
+                         "idle between their turns); the table gives medians")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
+    drafters = args.drafters.split(",")
     prompts = load_prompts()
-    rows = []
-    for drafter in args.drafters.split(","):
-        with Server(args, drafter) as server:
+    runs: dict[tuple[str, int], list[dict]] = {(d, c): [] for d in drafters for c in levels}
+    with ExitStack() as stack:
+        servers = {d: stack.enter_context(Server(args, d)) for d in drafters}
+        for server in servers.values():
             send(server.url, args, prompts[0])  # warm-up (first-call allocations)
+        for r in range(args.rounds):  # interleaved: a slow spell of the machine hits every row alike
             for c in levels:
-                rows.append((drafter, c, run_level(server.url, args, prompts, c)))
-                print(f"done: drafter {drafter}, concurrency {c}", file=sys.stderr, flush=True)
-    print_table(args, rows)
+                for d in drafters:
+                    runs[(d, c)].append(run_level(servers[d].url, args, prompts, c))
+                    print(f"done: round {r + 1}, drafter {d}, concurrency {c}", file=sys.stderr, flush=True)
+    print_table(args, [(d, c, median_run(runs[(d, c)], runs.get(("none", c)))) for d in drafters for c in levels])
+
+
+def median_run(runs: list[dict], plain: list[dict] | None) -> dict:
+    """Medians over rounds; ``vs_none``: the median of per-round tokens/s ratios to plain
+    decoding's run of the same round and level (None without a ``none`` row)."""
+    out = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "requests"}
+    out["requests"] = runs[0]["requests"]
+    out["rounds"] = len(runs)
+    out["vs_none"] = statistics.median(r["tps"] / p["tps"] for r, p in zip(runs, plain)) if plain else None
+    return out
 
 
 def load_prompts() -> list[str]:
@@ -171,12 +189,14 @@ def print_table(args, rows) -> None:
     dtype = resolve_dtype(args.dtype, args.device)  # what the server ran ("auto" resolved the same way)
     print(f"\n`specdraft serve`, target {args.target} ({args.device}, {dtype}), "
           f"{'completions' if args.completions else 'chat'}, greedy, max_tokens {args.max_tokens}, "
-          f"--max-batch-size {args.max_batch_size}, {os.cpu_count()} CPUs\n")
-    print("| drafter | concurrency | requests | requests/s | tokens/s | τ "
+          f"--max-batch-size {args.max_batch_size}, {os.cpu_count()} CPUs, "
+          f"median of {args.rounds} interleaved round(s)\n")
+    print("| drafter | concurrency | requests | requests/s | tokens/s | vs `none` | τ "
           "| p50 latency (s) | p95 latency (s) | p50 TTFT (s) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for drafter, c, r in rows:
-        print(f"| {drafter} | {c} | {r['requests']} | {r['rps']:.2f} | {r['tps']:.1f} | {r['tau']:.2f} | "
+        vs = f"{r['vs_none']:.2f}×" if r["vs_none"] is not None else "–"
+        print(f"| {drafter} | {c} | {r['requests']} | {r['rps']:.2f} | {r['tps']:.1f} | {vs} | {r['tau']:.2f} | "
               f"{r['p50']:.2f} | {r['p95']:.2f} | {r['ttft']:.3f} |")
 
 

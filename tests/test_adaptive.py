@@ -15,7 +15,7 @@ import torch
 
 import test_sampling_exact as exact
 from drafters_for_tests import RandomBeamsDrafter
-from specdraft.adaptive import (EXPLORE_SHARE, LOOK_MAX_ROWS, LOOK_SHARE, SLACK, AdaptivePolicy, CostModel, RowStats, best_size, cost_model_key,
+from specdraft.adaptive import (EXPLORE_SHARE, LOOK_MAX_ROWS, LOOK_PAUSE, LOOK_SHARE, LOOK_TRIAL, SLACK, AdaptivePolicy, CostModel, RowStats, best_size, cost_model_key,
                                 cost_model_path, load_cost_model)
 from specdraft.drafters import LookupDrafter, NoDrafter
 from specdraft.drafters.base import DraftContext, Drafter, Proposal
@@ -335,21 +335,65 @@ def test_a_cheap_confident_drafter_is_asked_where_its_rates_say_off():
     policy = AdaptivePolicy(LINEAR)
     assert policy.plan(stats, budget, 0) == 0 and not policy.looking  # no confidences seen yet
     sure, unsure = FixedTree([[1, 0.99, 0.99], [1, 0.01, 0.01]]), FixedTree([[1, 0.02, 0.01], [1, 0.01, 0.01]])
-    policy.draft_time.record(2 + SLACK, 0.5 * LOOK_SHARE * LINEAR(1))
+    timed(policy, 0.5 * LOOK_SHARE * LINEAR(1))
     kept = policy.choose(sure.propose(None), stats, look, 0, 0.0, False)
     assert kept[0].long().tolist() == [[1, 1, 1], [1, 0, 0]]  # the confidences, not the rates
     assert policy.plan(stats, budget, 0) == 2 and policy.looking and not policy.probing
     assert not policy.choose(unsure.propose(None), stats, look, 0, 0.0, False)[:, :, 1:].any()
     assert policy.plan(stats * (LOOK_MAX_ROWS + 1), budget.repeat(LOOK_MAX_ROWS + 1), 0) == 0  # batches: no looks
     dear = AdaptivePolicy(LINEAR)
-    dear.draft_time.record(2 + SLACK, 2 * LOOK_SHARE * LINEAR(1))
+    timed(dear, 2 * LOOK_SHARE * LINEAR(1))
     dear.choose(sure.propose(None), stats, look, 0, 0.0, False)
     assert dear.plan(stats, budget, 0) == 0 and not dear.looking
     # confidences the policy may not use (sampled drafts) give no looks either
     blind = AdaptivePolicy(LINEAR)
-    blind.draft_time.record(2 + SLACK, 0.5 * LOOK_SHARE * LINEAR(1))
+    timed(blind, 0.5 * LOOK_SHARE * LINEAR(1))
     blind.choose(sure.propose(None), stats, torch.tensor([False]), 0, 0.0, False)
     assert blind.plan(stats, budget, 0) == 0
+
+
+def timed(policy, seconds, depth=2 + SLACK):
+    """The drafter's calls at ``depth`` took ``seconds`` (the first call is not counted)."""
+    policy.draft_time.record(depth, 100 * seconds)  # the first call's one-time costs
+    policy.draft_time.record(depth, seconds)
+
+
+def test_a_drafters_slow_first_call_does_not_stop_its_looks():
+    """The first drafter call pays one-time costs (the shipped head: 13-19 ms against 4.3);
+    remembered, it once kept looks off for a whole run at that depth."""
+    policy = AdaptivePolicy(LINEAR)
+    policy.draft_time.record(3, 10.0)
+    assert policy.draft_time(3) == 0.0  # not recorded
+    policy.draft_time.record(3, 0.004)
+    assert policy.draft_time(3) == pytest.approx(0.004)
+    ratio = AdaptivePolicy(LINEAR).step_ratio
+    ratio.record(True, 50.0, 1.0)  # the first tree step: not recorded either
+    ratio.record(True, 0.8, 1.0)
+    assert ratio(True) == pytest.approx(0.8)
+
+
+def test_looks_that_lose_time_pause_and_come_back():
+    """Looks are judged per request on what they did: after LOOK_TRIAL looks that cost more
+    than the plain steps they replaced, the row does not look for LOOK_PAUSE steps; looks
+    that gain go on."""
+    stats, budget, look = [stats_with([0.01] * 8)], torch.tensor([3]), torch.tensor([True])
+    policy = AdaptivePolicy(LINEAR)
+    timed(policy, 0.5 * LOOK_SHARE * LINEAR(1))
+    sure = FixedTree([[1, 0.99, 0.99], [1, 0.01, 0.01]])
+    policy.choose(sure.propose(None), stats, look, 0, 0.0, False)
+    plain = LINEAR(1)
+    for _ in range(3 * LOOK_TRIAL):  # each look: 2 tokens in less than two plain steps
+        assert policy.plan(stats, budget, 0) == 2 and policy.looking
+        policy.observe(stats, [2], [1], None, off=False)
+        policy.observe_look(stats, 1, 1.5 * plain, 0)
+    for _ in range(LOOK_TRIAL):  # now each look: no token gained, a plain step and a draft call
+        assert policy.plan(stats, budget, 0) == 2 and policy.looking
+        policy.observe(stats, [2], [0], None, off=False)
+        policy.observe_look(stats, 0, 1.1 * plain, 0)
+    for _ in range(LOOK_PAUSE):
+        assert policy.plan(stats, budget, 0) == 0 and not policy.looking
+        policy.observe(stats, [0], [0], None, off=True)
+    assert policy.plan(stats, budget, 0) == 2 and policy.looking
 
 
 def test_probes_cost_at_most_the_exploration_share_at_any_batch_size():

@@ -584,3 +584,27 @@ def test_smollm2_chat(smol):
                                                    messages=[{"role": "user", "content": question}])
     assert out.choices[0].message.content == want.text
     assert out.usage.completion_tokens == want.new_tokens
+
+
+def test_the_engine_is_loaded_on_a_thread_that_ends():
+    """``serve`` loads its engine through ``in_passing_thread``: the value comes back, an
+    error is raised on the caller's thread as itself (the CLI's one-line errors), and the
+    thread that did the work is gone (with it its OpenMP pool, which would slow the
+    scheduler thread's forwards: runner.in_passing_thread)."""
+    from specdraft.errors import SpecdraftError
+    from specdraft.server.runner import in_passing_thread
+
+    seen = []
+
+    def work(x):
+        seen.append(threading.current_thread())
+        return x + 1
+
+    assert in_passing_thread(work, 41) == 42
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+
+    def broken():
+        raise SpecdraftError("no such model")
+
+    with pytest.raises(SpecdraftError, match="no such model"):
+        in_passing_thread(broken)

@@ -62,13 +62,19 @@ PROBE_START, PROBE_MAX = 8, 128  # steps off before a probe; doubles after a fai
 # together.
 EXPLORE_SHARE = 0.03
 # A drafter whose proposals carry confidences and whose call costs at most this share of a
-# plain step is always asked ("a look"), even where the rates say drafting does not pay:
+# plain step may be asked even where the rates say drafting does not pay ("a look"):
 # ``choose`` then keeps only the candidates its calibrated confidences find worth verifying
 # (often none: a plain step). The rates are an average over the last ~20 steps; a beam's
 # own probability tells this step's easy continuations from its hard ones (measured with
 # the shipped ReDrafter head at batch 1: off 24% of steps and 0.95x the fixed 1x3 without
-# looks).
-LOOK_SHARE = 0.1
+# looks). The share is only a ceiling: whether looks pay is measured per request (below).
+# It was 0.1, a hard line the shipped head's call (~4.3 ms against a 32-44 ms step) sat on,
+# so looks came and went with timing noise (off on 41% of a run's steps after one slow call).
+LOOK_SHARE = 0.25
+# Looks are judged on what they did: a look step that makes B + G tokens in s seconds saved
+# (B + G) / B * t_plain - s against plain decoding (t_plain: the modelled plain step). After
+# every LOOK_TRIAL looks of a request, a net loss pauses its looks for LOOK_PAUSE steps.
+LOOK_TRIAL, LOOK_PAUSE = 8, 32
 # Looks only for batches of at most this many rows. Measured (MT-Bench 16 x 128, bf16,
 # interleaved): at batch 1 looks took redrafter:default from 0.95x to 0.99x of its best fixed
 # shape; at batch 16 they made ``choose`` decide every step, its tree steps did not pay
@@ -210,6 +216,9 @@ class RowStats:
     off_streak: int = 0
     probe_every: int = PROBE_START
     off_steps: int = 0
+    look_saved: float = 0.0  # seconds the looks of the current trial saved (negative: lost)
+    look_count: int = 0  # looks in the current trial
+    look_pause: int = 0  # steps until this row may look again
 
     def rates(self, depth: int) -> list[float]:
         """a_1..a_depth: depth j's posterior mean, its prior mean being depth j-1's."""
@@ -246,12 +255,20 @@ def best_size(gains: torch.Tensor, counts: torch.Tensor, seconds) -> int:
 
 
 class DraftTimer:
-    """Seconds a drafter call takes, by the depth it was allowed: an EWMA per depth."""
+    """Seconds a drafter call takes, by the depth it was allowed: an EWMA per depth.
+
+    The first call is not recorded: it pays one-time costs (allocations, kernel selection;
+    the shipped ReDrafter head: 13-19 ms against ~4.3 ms for every later call), and a depth
+    the policy then stops asking for would keep that reading for good."""
 
     def __init__(self, weight: float = 0.2):
         self.weight, self.seconds = weight, {}
+        self.calls = 0
 
     def record(self, depth: int, seconds: float) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            return
         old = self.seconds.get(depth)
         self.seconds[depth] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
 
@@ -271,14 +288,19 @@ class StepCostRatio:
     and the batch (on the 2-core EPYC, 4 rows of lookup trees cost ~50 ms a step more than the
     curve said, enough to make drafting lose at batch 4), and a busier machine scales both.
     A ratio multiplies (never makes a cost negative). A kind not seen yet takes the other
-    kind's ratio (1 before any step): only evidence on both kinds may change their relation."""
+    kind's ratio (1 before any step): only evidence on both kinds may change their relation.
+    The first step of each kind is not recorded (one-time costs, as ``DraftTimer``)."""
 
     def __init__(self, weight: float = 0.1):
         self.weight = weight
         self.ratio = {False: 1.0, True: 1.0}
         self.seen = {False: 0, True: 0}
+        self.skipped = {False: False, True: False}
 
     def record(self, tree: bool, measured: float, modelled: float) -> None:
+        if not self.skipped[tree]:
+            self.skipped[tree] = True
+            return
         r = min(max(measured / max(modelled, 1e-12), 0.01), 100.0)  # one wild reading cannot dominate
         self.ratio[tree] = r if not self.seen[tree] else (1 - self.weight) * self.ratio[tree] + self.weight * r
         self.seen[tree] += 1
@@ -339,7 +361,8 @@ class AdaptivePolicy:
         gains = torch.nn.functional.pad(rates.cumprod(dim=1).cumsum(dim=1), (1, 0))
         seconds = self.seconds(len(stats), width)
         n = best_size(gains, counts, seconds)
-        if n == 0 and len(stats) <= LOOK_MAX_ROWS and self.look_is_cheap(seconds, depth):
+        if n == 0 and len(stats) <= LOOK_MAX_ROWS and not any(s.look_pause for s in stats) and \
+                self.look_is_cheap(seconds, depth):
             self.looking = True
             return depth
         self.probing = n == 0 and self.afford_probe(stats, seconds)
@@ -352,6 +375,20 @@ class AdaptivePolicy:
         if not self.confident or not self.draft_time.seconds:
             return False
         return self.draft_time(depth + SLACK) <= LOOK_SHARE * seconds(0)
+
+    def observe_look(self, stats: list[RowStats], gained: int, seconds: float, width: int) -> None:
+        """A look step (``self.looking``) made B + ``gained`` tokens in ``seconds`` (wall,
+        drafting included): add what it saved against plain decoding to each row's trial;
+        a trial of LOOK_TRIAL looks that lost time pauses the rows' looks (LOOK_PAUSE steps)."""
+        B = len(stats)
+        plain = self.cost(B, width) * self.step_ratio(False)
+        saved = (B + gained) / max(B, 1) * plain - seconds
+        for s in stats:
+            s.look_saved += saved
+            s.look_count += 1
+            if s.look_count >= LOOK_TRIAL:
+                s.look_pause = LOOK_PAUSE if s.look_saved < 0 else 0
+                s.look_saved, s.look_count = 0.0, 0
 
     def afford_probe(self, stats: list[RowStats], seconds) -> bool:
         """Whether some row is due for a probe and the credit pays for what it adds to this
@@ -413,6 +450,7 @@ class AdaptivePolicy:
         drafted tokens kept; predicted (B, L) the summed confidence of the children of the
         accepted path's node at depth j - 1 (NaN: none), or None; ``off``: drafting was off."""
         for b, s in enumerate(stats):
+            s.look_pause = max(s.look_pause - 1, 0)
             if offered[b] == 0:
                 # Drafting allowed but nothing drafted (e.g. no lookup match): the row had its
                 # probe. Without the reset such a row stays due and forces a tree on the whole

@@ -169,7 +169,9 @@ class SpeculativeEngine:
             if stats is not None:
                 proposal = self._adapt(proposal, batch, ctx, depth, drafting)
         if self._plain(proposal, stats):
-            return self._plain_step(batch, proposed=True, started=step_start + drafting)
+            events = self._plain_step(batch, proposed=True, started=step_start + drafting)
+            self._judge_look(stats, 0, step_start, width)
+            return events
         with timer("verify"):
             tree = pack_beams(proposal.beams, proposal.valid)
             positions = cache.lengths[:, None] + tree.depth
@@ -202,7 +204,13 @@ class SpeculativeEngine:
             self._drop_finished(batch)
         if stats is not None:
             self.policy.observe_step(True, tree.tokens.numel(), width, time.perf_counter() - step_start - drafting)
+            self._judge_look(stats, int(acc.n.sum()) - len(stats), step_start, width)
         return events
+
+    def _judge_look(self, stats, gained: int, step_start: float, width: int) -> None:
+        """Tell the policy what a look step (drafted although the rates said off) gained."""
+        if stats is not None and self.policy.looking:
+            self.policy.observe_look(stats, gained, time.perf_counter() - step_start, width)
 
     def _adapt(self, proposal: Proposal, batch: Batch, ctx: DraftContext, depth: int,
                seconds: float) -> Proposal:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 
 import uvicorn
@@ -24,6 +25,34 @@ import uvicorn
 from ..errors import SpecdraftError
 from .app import Service
 from .scheduler import JobError
+
+
+def in_passing_thread(fn, *args):
+    """``fn(*args)`` run on a thread that ends when it returns; its value or exception is
+    passed on. The server loads its engine this way.
+
+    Why: OpenMP (PyTorch's CPU threads, libgomp) keeps a pool of workers for every thread
+    that ever ran a parallel region, and once a process has more such workers than CPUs every
+    pool stops spinning between regions, so each of the thousands of small ops of a decode
+    step pays a futex wake-up. The engine runs on the scheduler thread; a model loaded on the
+    main thread left the main thread's idle pool behind, and on the 2-vCPU EPYC every
+    scheduler-thread forward took 1.9x as long (SmolLM2, bf16, one token: 82 vs 43 ms; the
+    server then served plain decoding at 19 tok/s against `bench`'s 25). A thread that ends
+    takes its pool with it."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 (re-raised on the calling thread)
+            box["error"] = e
+
+    worker = threading.Thread(target=run, name="specdraft-load", daemon=True)  # daemon: Ctrl-C still exits
+    worker.start()
+    worker.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 class DrainingServer(uvicorn.Server):
