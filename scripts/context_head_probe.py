@@ -10,6 +10,9 @@ t+2 (labels outside the draft vocabulary count as misses):
     context:  u_s = F z_s  for the consecutive answer positions s <= t of the same segment
               z'_t = z_t + P · attn(q(u_t), k(u_<=t), v(u_<=t))    (causal, RoPE, 9 heads)
               logits = O · blocks(z'_t)
+    layer:    u_s = F [h_s ; E[x_{s+1}]], then one decoder layer of the target's own architecture,
+              initialised from its last layer (causal over the segment, RoPE), output c_t:
+              logits = O · blocks([z_t ; c_t])     (blocks and O at width 3d)
 
     .venv/bin/python scripts/context_head_probe.py --corpus runs/fit-own8k/corpus \
         --heldout runs/fit-own8k/heldout-corpus --chunks 8 --steps 1500
@@ -121,6 +124,36 @@ class ContextHead(PaperHead):
         return self.out(self.blocks(z))
 
 
+class TargetLayerHead(nn.Module):
+    """The paper's features plus c_t from a copy of the target's last decoder layer (the Hugging
+    Face module itself, run with a causal boolean mask and explicit positions)."""
+
+    def __init__(self, target, E, V, blocks=2):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        hf, d = target.model, E.shape[1]
+        self.register_buffer("E", E, persistent=False)
+        self.w = nn.Linear(d, d)
+        self.fuse = nn.Linear(2 * d, d, bias=False)
+        last = hf.model.layers[-1]
+        self.layer = type(last)(hf.config, layer_idx=0)
+        self.layer.load_state_dict(last.state_dict())
+        self.rotary = LlamaRotaryEmbedding(hf.config)
+        self.blocks = nn.Sequential(*[Block(3 * d) for _ in range(blocks)])
+        self.out = nn.Linear(3 * d, V, bias=False)
+
+    def forward(self, h, fed):
+        e = F.embedding(fed, self.E)
+        B, L, _ = h.shape
+        u = self.fuse(torch.cat([h, e], -1))
+        pos = torch.arange(L).expand(B, -1)
+        causal = torch.ones(L, L, dtype=torch.bool).tril().expand(B, 1, L, L)
+        c = self.layer(u, attention_mask=causal, position_ids=pos, position_embeddings=self.rotary(u, pos))
+        c = c[0] if isinstance(c, tuple) else c
+        return self.out(self.blocks(torch.cat([h, F.silu(self.w(e)), c], -1)))
+
+
 def top1(model, corpus, segs, t2d, bs=32):
     """Share of labelled positions whose greedy label the head's argmax hits (oov: a miss)."""
     hits = n = 0
@@ -157,6 +190,7 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--models", default="paper,context", help="any of paper, context, layer")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -173,7 +207,9 @@ def main() -> None:
     train_segs, held_segs = segments(corpus, args.segment), segments(held, args.segment)
     print(json.dumps({"train_positions": len(corpus), "train_segments": len(train_segs),
                       "heldout_segments": len(held_segs)}), flush=True)
-    models = {"paper": PaperHead(E, len(keep)), "context": ContextHead(E, len(keep))}
+    make = {"paper": lambda: PaperHead(E, len(keep)), "context": lambda: ContextHead(E, len(keep)),
+            "layer": lambda: TargetLayerHead(target, E, len(keep))}
+    models = {k: make[k]() for k in args.models.split(",")}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.0) for k, m in models.items()}
     warm = max(1, args.steps // 20)
     sched = lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))
