@@ -15,8 +15,9 @@ import torch
 
 import test_sampling_exact as exact
 from drafters_for_tests import RandomBeamsDrafter
-from specdraft.adaptive import (EXPLORE_SHARE, LOOK_MAX_ROWS, LOOK_PAUSE, LOOK_SHARE, LOOK_TRIAL, SLACK, AdaptivePolicy, CostModel, RowStats, best_size, cost_model_key,
-                                cost_model_path, load_cost_model)
+from specdraft.adaptive import (EXPLORE_SHARE, LOOK_MAX_ROWS, LOOK_PAUSE, LOOK_SHARE, LOOK_TRIAL, SLACK, AdaptivePolicy,
+                                RowStats, best_size)
+from specdraft.costmodel import CostModel, cost_model_key, cost_model_path, load_cost_model
 from specdraft.drafters import LookupDrafter, NoDrafter
 from specdraft.drafters.base import DraftContext, Drafter, Proposal
 from specdraft.engine import SpeculativeEngine

@@ -44,7 +44,8 @@ def build_engine(spec: EngineSpec):
 def adaptive_policy(target, drafter, mode: str):
     """--adaptive on|refresh: a policy over the target's cached cost model (measured here on
     first use, a few seconds); off, or a drafter that never drafts: None (fixed shapes)."""
-    from .adaptive import AdaptivePolicy, load_cost_model
+    from .adaptive import AdaptivePolicy
+    from .costmodel import load_cost_model
 
     if mode == "off" or drafter.acceptance_prior <= 0:
         return None

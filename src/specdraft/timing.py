@@ -1,5 +1,5 @@
 """What one target forward costs against the number of tree tokens it verifies: the
-measurement adaptive drafting's cost model (``adaptive.measure_cost_model``) and
+measurement adaptive drafting's cost model (``costmodel.measure_cost_model``) and
 ``specdraft bench --verify-cost`` (``bench.verify_cost``) share.
 
 With P cached tokens (a prompt of a few hundred tokens), the target runs N new tokens

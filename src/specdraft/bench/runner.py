@@ -262,7 +262,8 @@ class Bench:
 
     def policy(self):
         """A fresh adaptive policy (the cost model measured or read once per run)."""
-        from ..adaptive import AdaptivePolicy, load_cost_model
+        from ..adaptive import AdaptivePolicy
+        from ..costmodel import load_cost_model
 
         if self.cost is None:
             self.cost = load_cost_model(self.target, refresh=self.cfg.adaptive == "refresh")
