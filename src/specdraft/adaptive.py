@@ -262,7 +262,7 @@ class AdaptivePolicy:
         drafting included): add what it saved against plain decoding to each row's trial;
         a trial of LOOK_TRIAL looks that lost time pauses the rows' looks (LOOK_PAUSE steps)."""
         B = len(stats)
-        plain = self.cost(B, width) * self.step_ratio(False)
+        plain = self.seconds(B, width)(0)  # the modelled plain step
         saved = (B + gained) / max(B, 1) * plain - seconds
         for s in stats:
             s.look_saved += saved

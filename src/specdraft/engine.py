@@ -170,7 +170,7 @@ class SpeculativeEngine:
                 proposal = self._adapt(proposal, batch, ctx, depth, drafting)
         if self._plain(proposal, stats):
             events = self._plain_step(batch, proposed=True, started=step_start + drafting)
-            self._judge_look(stats, 0, step_start, width)
+            self._judge_look(stats, None, step_start, width)
             return events
         with timer("verify"):
             tree = pack_beams(proposal.beams, proposal.valid)
@@ -204,12 +204,15 @@ class SpeculativeEngine:
             self._drop_finished(batch)
         if stats is not None:
             self.policy.observe_step(True, tree.tokens.numel(), width, time.perf_counter() - step_start - drafting)
-            self._judge_look(stats, int(acc.n.sum()) - len(stats), step_start, width)
+            self._judge_look(stats, acc.n, step_start, width)
         return events
 
-    def _judge_look(self, stats, gained: int, step_start: float, width: int) -> None:
-        """Tell the policy what a look step (drafted although the rates said off) gained."""
+    def _judge_look(self, stats, n_accepted: torch.Tensor | None, step_start: float, width: int) -> None:
+        """Tell the policy what a look step (drafted although the rates said off) gained:
+        n_accepted (B,) tokens per row, g0 included (None: the step ran plain). Read only on
+        look steps (a host sync)."""
         if stats is not None and self.policy.looking:
+            gained = 0 if n_accepted is None else int(n_accepted.sum()) - len(stats)
             self.policy.observe_look(stats, gained, time.perf_counter() - step_start, width)
 
     def _adapt(self, proposal: Proposal, batch: Batch, ctx: DraftContext, depth: int,
