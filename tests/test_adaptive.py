@@ -81,8 +81,7 @@ def test_plan_known_cases():
 
 
 def test_best_size_ties_pick_the_cheaper_size():
-    gains = torch.tensor([[0.0, 0.0, 0.0]], dtype=torch.float64)
-    assert best_size(gains, torch.tensor([2]), lambda n: 1.0) == 0
+    assert best_size([[0.0, 0.0, 0.0]], [2], lambda n: 1.0) == 0
 
 
 class FixedTree(Drafter):
@@ -110,6 +109,33 @@ def test_choose_keeps_the_most_valuable_nodes(conf, n_nodes, kept):
     proposal = drafter.propose(None)
     valid = AdaptivePolicy(cost).choose(proposal, [RowStats(prior=0.5)], torch.tensor([True]), 0, 0.0, False)
     assert valid[0].long().tolist() == kept
+
+
+def test_chain_path_matches_the_general_path():
+    """choose's W = 1 shortcut keeps exactly the nodes the general (tree) path keeps: a chain
+    duplicated as a second beam goes through the general path (the copy owns nothing)."""
+    g = torch.Generator().manual_seed(0)
+    curves = [LINEAR, FLAT4, STEEP, CostModel([1, 2, 8], [1.0, 1.02, 1.3])]
+    for case in range(300):
+        B, L = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(2, 7, (1,), generator=g))
+        beams = torch.randint(0, 50, (B, 1, L), generator=g)
+        lengths = torch.randint(1, L + 1, (B,), generator=g)
+        valid = torch.arange(L)[None, :] < lengths[:, None]
+        conf = torch.rand(B, 1, L, generator=g) ** 2
+        conf[torch.rand(B, 1, L, generator=g) < 0.1] = float("nan")
+        confidence = None if case % 5 == 0 else conf
+        stats = [stats_with(torch.rand(8, generator=g).tolist()) for _ in range(B)]
+        for s in stats:  # kappa between ~0.5 and ~2
+            s.seen, s.predicted = 10 * torch.rand(2, generator=g).tolist()[0], 5 + 5 * torch.rand(1, generator=g).item()
+        use_conf = torch.rand(B, generator=g) < 0.7
+        policy = AdaptivePolicy(curves[case % len(curves)])
+        chain = Proposal(beams, valid[:, None, :], confidence=confidence)
+        twin = Proposal(beams.repeat(1, 2, 1), valid[:, None, :].repeat(1, 2, 1),
+                        confidence=None if confidence is None else confidence.repeat(1, 2, 1))
+        probe = case % 7 == 0
+        fast = policy.choose(chain, stats, use_conf, 0, 0.01, probe)
+        general = policy.choose(twin, stats, use_conf, 0, 0.01, probe)
+        assert fast[:, 0].tolist() == general[:, 0].tolist(), case
 
 
 def test_cost_model_is_monotone_and_interpolates():
