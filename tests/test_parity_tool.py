@@ -4,6 +4,7 @@ monotone verify-cost curve (which kernels a 1-row forward runs; no timing)."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -168,7 +169,7 @@ def test_auto_dtype_loads_and_says_so(probe, tiny_target_path, capsys, flags, ex
 class MatmulLog(TorchDispatchMode):
     """Records (op, input shapes) of every matrix product dispatched."""
 
-    OPS = {"mm", "addmm", "mv", "addmv", "bmm", "baddbmm", "dot"}
+    OPS = {"mm", "addmm", "mv", "addmv", "bmm", "baddbmm", "dot", "_linear_pointwise"}
 
     def __init__(self):
         super().__init__()
@@ -199,17 +200,65 @@ def linear_calls(target, n: int) -> list:
 def test_one_row_runs_the_kernels_of_two(tiny_target_path, dtype, monkeypatch):
     """Why a 1-token forward costs no more than a 2-token one (a monotone verify-cost
     curve): in float32 every linear of a 1-row forward runs the very matrix product (same
-    op, same shapes) a 2-row forward runs, one row padded; in bfloat16 both run the stock
-    F.linear. The speed of those kernels is measured by ``specdraft bench --verify-cost``."""
+    op, same shapes) a 2-row forward runs, one row padded; in bfloat16 both run oneDNN's
+    product with the packed weight. The speed of those kernels is measured by
+    ``specdraft bench --verify-cost``."""
     monkeypatch.setattr(fastpath, "CHOSEN", {})  # the dtype's candidate (a tiny model does not measure)
     target = load_target(str(tiny_target_path), dtype=dtype)
     one, two = linear_calls(target, 1), linear_calls(target, 2)
     assert one and len(one) == len(two)
     if dtype == "float32":
         assert one == two and {op for op, _ in one} == {"mm"}
+        assert fastpath.LAYOUTS[target.dtype] == fastpath.TRANSPOSED
     else:
-        assert all(op not in ("mv", "addmv") for op, _ in two)
-    assert fastpath.LAYOUTS.get(target.dtype) == (fastpath.TRANSPOSED if dtype == "float32" else None)
+        assert fastpath.packing_available()  # the CI machine's torch has oneDNN
+        assert {op for op, _ in one} == {op for op, _ in two} == {"_linear_pointwise"}
+        assert fastpath.LAYOUTS[target.dtype] == fastpath.PACKED
+
+
+def test_packed_layout_is_bitwise_stock(tiny_target_path, monkeypatch):
+    """bfloat16's packed layout changes speed, never values: every engine forward of a
+    tiny model (1-9 tree tokens after a cache, logits included) equals the stock F.linear
+    forward bitwise, and a packed weight is made again when the weight changes in place."""
+    monkeypatch.setattr(fastpath, "CHOSEN", {})
+    target = load_target(str(tiny_target_path), dtype="bfloat16")
+    from specdraft.timing import prefill
+
+    def logits(n):
+        cache = prefill(target, 5, 16)
+        ids = (torch.arange(1, n + 1)[None] * 7) % target.vocab_size
+        chain = torch.ones(n, n, dtype=torch.bool).tril()[None]
+        with torch.no_grad():
+            return target.logits(target.forward(ids, 5 + torch.arange(n)[None], cache.attention_mask(chain), cache))
+
+    for n in (1, 2, 3, 4, 8, 9):
+        packed = logits(n)
+        monkeypatch.setitem(fastpath.CHOSEN, torch.bfloat16, None)  # stock F.linear
+        stock = logits(n)
+        monkeypatch.setitem(fastpath.CHOSEN, torch.bfloat16, fastpath.PACKED)
+        assert torch.equal(packed, stock), n
+    linear = next(m for m in target.model.modules() if isinstance(m, torch.nn.Linear))
+    x = torch.randn(3, linear.in_features).to(torch.bfloat16)
+    with torch.no_grad(), fastpath.active():
+        before = linear(x)
+        linear.weight.mul_(2)  # in place: the packed copy must follow
+        after = linear(x)
+    assert torch.equal(after, torch.nn.functional.linear(x, linear.weight, linear.bias))
+    assert not torch.equal(before, after)
+    twin = copy.deepcopy(linear)  # a module holding a packed copy still copies (without it)
+    with torch.no_grad(), fastpath.active():
+        assert torch.equal(twin(x), after)
+
+
+def test_packed_layout_needs_bitwise_equality(monkeypatch):
+    """A packed product that is not bitwise stock (another oneDNN, another CPU) is not used."""
+    monkeypatch.setattr(fastpath, "CHOSEN", {})
+    weight = torch.randn(64, 32).to(torch.bfloat16)
+    assert fastpath.choose_layout(weight) == fastpath.PACKED  # too small to time, bitwise stock here
+    monkeypatch.setattr(fastpath, "CHOSEN", {})
+    monkeypatch.setattr(fastpath, "packed_linear", lambda x, packed, bias=None: torch.zeros(x.shape[0], 64, dtype=x.dtype))
+    assert fastpath.choose_layout(weight) is None
+    assert fastpath.CHOSEN == {torch.bfloat16: None}
 
 
 @pytest.mark.parametrize("stock_ms, transposed_ms, chosen", [(2.8, 9.3, None), (7.6, 2.7, "transposed"),

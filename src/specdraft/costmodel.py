@@ -82,8 +82,13 @@ class CostModel:
 
 
 def cost_model_key(target) -> str:
-    """What the curve depends on: model, dtype, device, CPU threads, torch version."""
-    return f"{target.name}|{target.dtype}|{target.device}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    """What the curve depends on: model, dtype, device, CPU threads, torch version, and the
+    linear layout ``fastpath`` chose for the dtype (the packed bf16 one is ~1.2x faster)."""
+    from . import fastpath
+
+    layout = fastpath.CHOSEN.get(target.dtype, fastpath.LAYOUTS.get(target.dtype))
+    return (f"{target.name}|{target.dtype}|{target.device}|threads={torch.get_num_threads()}|"
+            f"torch={torch.__version__}|linear={layout or 'stock'}")
 
 
 def cost_model_path(target) -> Path:

@@ -10,9 +10,16 @@ product's result is the transpose of a contiguous matrix; it is made contiguous 
 copy of rows x out floats) because the attention that follows is much slower on the
 transposed layout (16 rows x 1 token: 209 ms transposed, 120 ms contiguous, 133 ms stock).
 
-In bfloat16 (oneDNN kernels, AVX512-BF16) the stock ``F.linear`` is the fastest at every
-row count measured (1-16 rows; the transposed layout made a 4-token forward 37 ms against
-29 ms), so bfloat16 and float16 keep it. ``LAYOUTS`` records the choice per dtype; the
+In bfloat16 (oneDNN kernels, AVX512-BF16) stock ``F.linear`` reorders the plain weight into
+oneDNN's blocked layout on every call; for the few rows of decoding that reorder is most of
+the call. The "packed" layout reorders each weight once (``torch.ops.mkldnn``'s
+``_reorder_linear_weight``, what inductor uses when it freezes a CPU model) and multiplies
+with the packed copy: the same kernel, so bitwise the stock result at every row count
+measured (1-256), and 1.5-2.6x faster for 1-16 rows on the AVX512-BF16 EPYC (SmolLM2's LM
+head, one row: 2.5 ms against 3.9 ms; a 1536 x 576 MLP weight 31 against 59 us). It costs
+a second copy of each linear weight in memory. It is kept only where it is bitwise stock
+*and* not slower on this machine (``choose_layout``); the transposed layout made bfloat16
+slower (4 tokens: 37 ms against 29 ms). ``LAYOUTS`` records the candidate per dtype; the
 figures are in docs/engine.md ("Kernels per dtype").
 
 ``small_batch_linear(model)`` patches the model's ``nn.Linear`` instances (not the class)
@@ -31,9 +38,12 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 32  # measured on SmolLM2 (docs above): better from 1 to 32 rows in float32
 TRANSPOSED = "transposed"  # (W @ x.T).T, one row padded to two
-LAYOUTS = {torch.float32: TRANSPOSED}  # weight dtype -> candidate layout on CPU; absent: stock F.linear
+PACKED = "packed"  # oneDNN's prepacked weight, reordered once per weight
+# Rows up to which a layout is used (measured on SmolLM2, docs above): the transposed layout
+# is better from 1 to 32 rows in float32; the packed one is never slower (1-256 rows).
+MAX_ROWS = {TRANSPOSED: 32, PACKED: None}
+LAYOUTS = {torch.float32: TRANSPOSED, torch.bfloat16: PACKED}  # weight dtype -> candidate layout on CPU; absent: stock F.linear
 # The candidate is kept only where it measures faster: on an Intel Xeon with AVX-512/AMX
 # (2026-11-25) MKL's one-row float32 kernel is fast and the transposed layout 3-5x slower
 # (LM head, 1 row: 9.3 ms against 2.8 ms), the opposite of the AVX2 EPYC above.
@@ -67,6 +77,64 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (out, in) reordered once into oneDNN's blocked layout (an opaque tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, W, bias) with W's packed copy; x (..., in) -> (..., out)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+class PackedCopy:
+    """A weight's packed copy as a module keeps it. Copies and pickles of the module start
+    without it (an opaque oneDNN tensor cannot be deep-copied): it is made again on use."""
+
+    __slots__ = ("tensor", "of", "key")
+
+    def __init__(self, tensor=None, of=None, key=None):
+        self.tensor, self.of, self.key = tensor, of, key
+
+    def __reduce__(self):
+        return (PackedCopy, ())
+
+
+def packed_weight_of(holder, weight: torch.Tensor) -> torch.Tensor:
+    """``weight``'s packed copy, kept on ``holder`` (its module): made once and again only
+    when the weight changes (another tensor, or written in place: its version moves). The
+    weight itself is held and compared by identity: a freed weight's address may be reused
+    by the next one, so an address alone could match a stale copy."""
+    key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
+    copy = getattr(holder, "_specdraft_packed", None)
+    if copy is None or copy.of is not weight or copy.key != key:
+        copy = PackedCopy(pack_weight(weight.detach()), weight, key)
+        # object.__setattr__: a module must not see (register, move) what it holds here.
+        object.__setattr__(holder, "_specdraft_packed", copy)
+    return copy.tensor
+
+
+def packed_is_stock(weight: torch.Tensor) -> bool:
+    """Whether the packed layout gives bitwise F.linear's result for ``weight`` here, at
+    row counts where oneDNN picks different kernels (1, 5, 40 rows of random inputs)."""
+    if not packing_available():
+        return False
+    try:
+        packed = pack_weight(weight)
+        g = torch.Generator().manual_seed(0)
+        for rows in (1, 5, 40):
+            x = torch.randn(rows, weight.shape[1], generator=g).to(weight.dtype)
+            if not torch.equal(packed_linear(x, packed), F.linear(x, weight)):
+                return False
+    except RuntimeError:  # an op this build or CPU does not have
+        return False
+    return True
+
+
 def _median_ms(fn, trials: int = 7) -> float:
     fn()  # warm-up (first-call allocation, kernel selection)
     times = []
@@ -78,29 +146,57 @@ def _median_ms(fn, trials: int = 7) -> float:
 
 
 def choose_layout(weight: torch.Tensor) -> str | None:
-    """The layout this process uses for ``weight.dtype``: the dtype's candidate if it runs a
-    one-row product with ``weight`` (the model's largest linear) at least 10% faster than
-    stock ``F.linear`` on this machine, else None (stock). Measured once per dtype."""
+    """The layout this process uses for ``weight.dtype``, measured once per dtype with the
+    model's largest linear: the dtype's candidate if it runs a one-row product with
+    ``weight`` at least 10% faster than stock ``F.linear`` on this machine (the packed
+    layout: if it is bitwise stock and not slower), else None (stock). A weight under
+    ``MEASURE_MIN_PARAMS`` times too fast to tell: it keeps the candidate (the packed one
+    only if bitwise stock)."""
     dtype = weight.dtype
     if dtype not in CHOSEN:
         candidate = LAYOUTS.get(dtype)
-        if candidate is None or weight.device.type != "cpu" or weight.numel() < MEASURE_MIN_PARAMS:
+        if candidate is None or weight.device.type != "cpu":
             return candidate
-        x = torch.zeros(1, weight.shape[1], dtype=dtype)
         with torch.no_grad():
+            if candidate == PACKED and not packed_is_stock(weight):
+                CHOSEN[dtype] = None
+                return None
+            if weight.numel() < MEASURE_MIN_PARAMS:
+                return candidate
+            x = torch.zeros(1, weight.shape[1], dtype=dtype)
             stock = _median_ms(lambda: F.linear(x, weight))
-            mine = _median_ms(lambda: transposed_linear(x, weight))
-        CHOSEN[dtype] = candidate if mine < 0.9 * stock else None
+            if candidate == PACKED:
+                packed = pack_weight(weight)
+                mine = _median_ms(lambda: packed_linear(x, packed))
+                CHOSEN[dtype] = candidate if mine <= stock else None
+            else:
+                mine = _median_ms(lambda: transposed_linear(x, weight))
+                CHOSEN[dtype] = candidate if mine < 0.9 * stock else None
     return CHOSEN[dtype]
 
 
-def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, holder=None) -> torch.Tensor:
+    """F.linear(x, weight, bias); inside ``active()`` on CPU through the layout chosen for the
+    weight's dtype. ``holder`` (any object taking attributes, e.g. the module) keeps the
+    packed copy; without one the packed layout is not used."""
     # Cheap tests first: this runs for every linear of every forward.
-    if _depth == 0 or x.is_cuda or CHOSEN.get(self.weight.dtype, LAYOUTS.get(self.weight.dtype)) is None:
-        return F.linear(x, self.weight, self.bias)
-    if x.numel() > MAX_ROWS * x.shape[-1] or x.device.type != "cpu":
-        return F.linear(x, self.weight, self.bias)
-    return transposed_linear(x, self.weight, self.bias)
+    if _depth == 0 or x.is_cuda:
+        return F.linear(x, weight, bias)
+    layout = CHOSEN.get(weight.dtype, LAYOUTS.get(weight.dtype))
+    if layout is None or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    limit = MAX_ROWS[layout]
+    if limit is not None and x.numel() > limit * x.shape[-1]:
+        return F.linear(x, weight, bias)
+    if layout == PACKED:
+        if holder is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+            return F.linear(x, weight, bias)  # oneDNN's packed product has no backward
+        return packed_linear(x, packed_weight_of(holder, weight), bias)
+    return transposed_linear(x, weight, bias)
+
+
+def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, self.weight, self.bias, self)
 
 
 # Query rows per SDPA call in an engine forward that attends to a cache, per dtype. On CPU in

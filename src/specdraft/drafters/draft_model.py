@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from .. import fastpath
 from ..cache import CompactCache
 from ..checkpoint import WEIGHTS, read_config
 from ..errors import SpecdraftError, first_line
@@ -272,7 +273,8 @@ class DraftModelDrafter(Drafter):
         (an ordinary distribution over V that is zero there: acceptance stays exact)."""
         if self.vocab is None:
             return self.draft.logits(hidden)
-        return self.vocab.scatter(torch.nn.functional.linear(hidden, self.rows))
+        with fastpath.active():  # the target's fast layout; this drafter keeps the rows' packed copy
+            return self.vocab.scatter(fastpath.linear(hidden, self.rows, holder=self))
 
     def _reserve(self, columns: int) -> None:
         """Make ``ids`` at least ``columns`` wide."""

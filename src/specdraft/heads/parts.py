@@ -11,9 +11,12 @@ them to the head's own weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
+
+from .. import fastpath
 
 
 @dataclass(frozen=True)
@@ -42,15 +45,16 @@ class TargetParts:
             # The head may run in another dtype than the target (e.g. fp32 head, bf16 target).
             return target.logits(hidden.to(target.dtype))
 
-        rows: dict = {}  # the gathered head rows, kept while the ids tensor is the same
+        rows = SimpleNamespace(key=None)  # the gathered head rows, kept while the ids tensor is the same
 
         def rows_logits(hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
             key = (ids.data_ptr(), ids.shape[0], ids.device)
-            if rows.get("key") != key:
+            if rows.key != key:
                 head = target.head
                 bias = head.bias[ids] if getattr(head, "bias", None) is not None else None
-                rows.update(key=key, weight=head.weight[ids], bias=bias)
-            out = torch.nn.functional.linear(hidden.to(target.dtype), rows["weight"], rows["bias"]).float()
+                rows.key, rows.weight, rows.bias = key, head.weight[ids], bias
+            # Through the target's fast layout when drafting (fastpath.active); ``rows`` keeps its packed copy.
+            out = fastpath.linear(hidden.to(target.dtype), rows.weight, rows.bias, holder=rows).float()
             return torch.tanh(out / target.softcap) * target.softcap if target.softcap else out
 
         return cls(embed=embeddings, logits=logits, vocab_size=int(target.vocab_size),
