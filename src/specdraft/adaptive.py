@@ -413,6 +413,8 @@ def children_confidence(tree_owner: torch.Tensor, valid: torch.Tensor, confidenc
     """predicted (B, L): at depth j, the summed confidence (capped at 1) of the children of
     the accepted beam's node at depth j - 1: the drafter's P(the path goes one deeper)."""
     B, W, L = tree_owner.shape
+    if W == 1:  # a chain: the only child of the path's node at depth j - 1 is its token at j
+        return torch.where(valid[:, 0], confidence[:, 0].float(), 0.0).clamp(max=1.0)  # NaN stays NaN
     rows = torch.arange(B, device=beam.device)
     parent = torch.nn.functional.pad(tree_owner[:, :, :-1], (1, 0))
     on_path = parent[rows, beam]  # (B, L): the accepted beam's parent owner at each depth

@@ -34,8 +34,10 @@ class CostModel:
     tokens:  increasing T values, tokens[0] == 1 (batch 1, a chain of T tokens)
     seconds: forward seconds at each T with ``prefix`` tokens cached
     per_kv:  extra seconds per (tree token x cached slot) beyond ``prefix`` (attention)
-    Invariant after construction: seconds is non-decreasing (a running max: a forward of
-    more tokens never costs less; cheaper readings are timing noise).
+    Invariant after construction: seconds is non-decreasing (a forward of more tokens never
+    costs less): the readings' least-squares non-decreasing fit (``monotone_fit``), so one
+    noisy reading, high or low, is averaged with its neighbours instead of carried on to
+    every larger size as a running max would.
     """
 
     tokens: list[int]
@@ -48,8 +50,7 @@ class CostModel:
         if not self.tokens or len(self.tokens) != len(self.seconds) or self.tokens[0] != 1 or \
                 any(b <= a for a, b in zip(self.tokens, self.tokens[1:])) or min(self.seconds) <= 0:
             raise SpecdraftError("a cost model needs increasing token counts from 1 and positive seconds")
-        running = 0.0
-        self.seconds = [running := max(running, float(s)) for s in self.seconds]
+        self.seconds = monotone_fit([float(s) for s in self.seconds])
         self.per_kv = max(0.0, float(self.per_kv))
 
     def __call__(self, tokens: int, width: int | None = None) -> float:
@@ -81,6 +82,20 @@ class CostModel:
                    key=str(d.get("key", "")))
 
 
+def monotone_fit(values: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in squared error (pool adjacent
+    violators: a value below its predecessor merges with it into their mean, repeatedly).
+    Example: [1.0, 0.9, 1.2, 2.0] -> [0.95, 0.95, 1.2, 2.0]."""
+    blocks: list[list[float]] = []  # [sum, count] of pooled runs
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
+
+
 def cost_model_key(target) -> str:
     """What the curve depends on: model, dtype, device, CPU threads, torch version, and the
     linear layout ``fastpath`` chose for the dtype (the packed bf16 one is ~1.2x faster)."""
@@ -99,7 +114,7 @@ def cost_model_path(target) -> Path:
     return cache_dir() / "cost" / f"{slug}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
 
 
-def measure_cost_model(target, tokens=COST_TOKENS, prefix: int = COST_PREFIX, trials: int = 3) -> CostModel:
+def measure_cost_model(target, tokens=COST_TOKENS, prefix: int = COST_PREFIX, trials: int = 5) -> CostModel:
     """Time the target (a few seconds) with ``bench --verify-cost``'s code: the curve at
     ``prefix`` cached tokens, and a few points at a longer prefix for the attention term."""
     from .timing import measure_verify_cost

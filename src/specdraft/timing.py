@@ -71,11 +71,21 @@ def measure_verify_cost(target: Target, tokens: list[int], prefix: int = 256, tr
         raise SpecdraftError(f"--verify-prefix {prefix} + {max(tokens)} tree tokens must fit the target's "
                              f"context ({target.max_context})")
     cache = prefill(target, prefix, prefix + max(tokens) + 8)
+    sizes = sorted(set(tokens))
+    for n in sizes:
+        time_forward(target, cache, n, prefix, 0, warmup)
+    # Trials go round every N (not all trials of one N in a row): a slow spell of the machine
+    # then spreads over all N instead of inflating one. Seen with trials in a row (3 each):
+    # N = 3 read 52.7 ms between 36.8 (N = 2) and ~40 (N = 4), and the adaptive policy,
+    # believing a third token cost 16 ms, cut the shipped head's beams to one token.
+    times = {n: [] for n in sizes}
+    for _ in tqdm(range(trials), desc="verify cost", unit="round", disable=not progress):
+        for n in sizes:
+            times[n] += time_forward(target, cache, n, prefix, 1, 0)
     rows = []
-    for n in tqdm(sorted(set(tokens)), desc="verify cost", unit="N", disable=not progress):
-        times = time_forward(target, cache, n, prefix, trials, warmup)
-        rows.append({"tree_tokens": n, "ms_median": 1000 * statistics.median(times),
-                     "ms_min": 1000 * min(times), "ms_max": 1000 * max(times), "trials": trials})
+    for n in sizes:
+        rows.append({"tree_tokens": n, "ms_median": 1000 * statistics.median(times[n]),
+                     "ms_min": 1000 * min(times[n]), "ms_max": 1000 * max(times[n]), "trials": trials})
     base = rows[0]["ms_median"] if rows[0]["tree_tokens"] == 1 else None
     for r in rows:
         r["relative_to_one_token"] = r["ms_median"] / base if base else None
