@@ -223,10 +223,14 @@ class AdaptivePolicy:
         fixed = params is not None and not params.greedy and params.seed is not None
         return RowStats(prior=min(max(float(prior), 0.0), 1.0), fixed=fixed)
 
-    def seconds(self, rows: int, width: int, draft_depth: int = 0):
-        """n -> seconds of a step whose longest row verifies 1 + n tokens."""
-        return lambda n: (self.cost(rows * (1 + n), width) * self.step_ratio(n > 0) +
-                          self.draft_time(draft_depth or (n and n + SLACK)))
+    def seconds(self, rows: int, width: int, draft_depth: int = 0, drafted: float | None = None):
+        """n -> seconds of a step whose longest row verifies 1 + n tokens. Drafting: the
+        ``drafted`` seconds already spent this step (the same for every n), else the
+        timer's estimate for the depth the step would draft."""
+        def step(n: int) -> float:
+            draft = drafted if drafted is not None else self.draft_time(draft_depth or (n and n + SLACK))
+            return self.cost(rows * (1 + n), width) * self.step_ratio(n > 0) + draft
+        return step
 
     def observe_step(self, tree: bool, tokens: int, width: int, seconds: float) -> None:
         """A finished step: ``tokens`` padded tree tokens over the batch (B for a plain step)
@@ -312,7 +316,7 @@ class AdaptivePolicy:
 
         B, W, L = proposal.beams.shape
         self.confident = proposal.confidence is not None and bool(use_conf.any())
-        seconds = lambda n: self.cost(B * (1 + n), width) * self.step_ratio(n > 0) + draft_seconds  # noqa: E731
+        seconds = self.seconds(B, width, drafted=draft_seconds)
         if W == 1:
             return self.choose_chain(proposal, stats, use_conf, seconds, probe)
         owner = prefix_owner(proposal.beams, proposal.valid)
