@@ -93,13 +93,16 @@ class CompactCache(Cache):
         # Nothing to move when every kept entry already sits where it belongs (one row with
         # no padding accepting a prefix of its tree: always so in autoregressive decoding).
         in_place = bool(((src == dst) | ~kept).all())
+        rows = torch.arange(B, device=accepted.device)[:, None].expand(B, A)
         for layer in ([] if in_place else self.layers):
             if not layer.is_initialized:
                 continue
             for buf in (layer.keys, layer.values):
-                H, D = buf.shape[1], buf.shape[3]
-                picked = buf.gather(2, src[:, None, :, None].expand(B, H, A, D))
-                buf.scatter_(2, dst[:, None, :, None].expand(B, H, A, D), picked)
+                # Advanced indexing, not gather + scatter_: scatter_ takes a slow path in
+                # bfloat16 on CPU (measured 230 us against 20 us per (16, 3, 402, 64)
+                # buffer: 13 ms of a 50 ms plain step at batch 16). buf[rows, :, src] is a
+                # copy, so overlapping src and dst are read before they are written.
+                buf[rows, :, dst] = buf[rows, :, src]
         self.lengths = self.lengths + n_accepted
         self.width = int(self.lengths.max()) if B else 0
 
