@@ -89,14 +89,17 @@ def test_several_prompts_print_each_text_with_its_id(tiny_target_path, tiny_targ
     decode = tiny_target.tokenizer.decode
     expected = [decode(reference_ids(tiny_target, t), skip_special_tokens=True) for t in (SHORT, LONG)]
     assert out == f"=== 0 ===\n{expected[0]}\n=== x ===\n{expected[1]}\n"
-    assert [line.split()[0] for line in err.splitlines()] == ["[0]", "[x]"]
+    # The default --drafter auto says what it picked: lookup, no head is shipped for this target.
+    assert err.splitlines()[0] == "specdraft: drafter lookup (--drafter auto)"
+    assert [line.split()[0] for line in err.splitlines()[1:]] == ["[0]", "[x]"]
 
 
 def test_single_prompt_streams_text_to_stdout_and_stats_to_stderr(tiny_target_path, tiny_target, capsys):
     assert generate(tiny_target_path, "--prompt", LONG) == 0
     out, err = capsys.readouterr()
     assert out == tiny_target.tokenizer.decode(reference_ids(tiny_target, LONG), skip_special_tokens=True) + "\n"
-    [stats] = err.splitlines()
+    note, stats = err.splitlines()
+    assert note == "specdraft: drafter lookup (--drafter auto)"
     assert "24 tokens" in stats and "tokens/step" in stats and "tokens/s" in stats and "accepted length:steps" in stats
 
 

@@ -67,3 +67,13 @@ def test_a_sampling_part_cannot_be_combined():
     drafter = CombinedDrafter([LookupDrafter(), SampledChainDrafter(9, beam_length=3)])
     with pytest.raises(SpecdraftError, match="deterministic"):
         drafter.propose(ctx)
+
+
+def test_auto_is_lookup_with_the_shipped_head_on_the_default_target_only(tiny_target):
+    from specdraft.drafters.registry import resolve_auto
+    from specdraft.models import DEFAULT_TARGET
+
+    assert isinstance(build_drafter("auto", tiny_target), LookupDrafter)  # no head shipped for it
+    assert resolve_auto(tiny_target) == "lookup"
+    named_default = type("T", (), {"name": DEFAULT_TARGET})()
+    assert resolve_auto(named_default) == "lookup+redrafter:default"

@@ -20,7 +20,7 @@ class EngineSpec:
     device: str = "cpu"
     dtype: str = "auto"
     trust_remote_code: bool = False
-    drafter: str = "lookup"
+    drafter: str = "auto"  # registry.resolve_auto: lookup + the shipped head on the default target, else lookup
     beam_width: int | None = None
     beam_length: int | None = None
     gamma: int | None = None

@@ -9,7 +9,7 @@ import sys
 
 from ..errors import SpecdraftError
 from ..sampling import SamplingParams
-from .options import (DEFAULT_MAX_NEW_TOKENS, add_drafter_args, add_sampling_args, add_target_args, announce_dtype,
+from .options import (DEFAULT_MAX_NEW_TOKENS, add_drafter_args, add_sampling_args, add_target_args, announce_choices,
                       check_model_args, load_engine, sampling_params)
 
 
@@ -45,7 +45,7 @@ def run_generate(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     fit_to_context(args, engine.target)
     prompts = encode_prompts(engine.target, items, args.chat)
-    announce_dtype(args)
+    announce_choices(args)
     ids = [item["id"] for item in items]
     params = [sampling_params(args, i) for i in range(len(items))]
     if len(items) == 1 and not args.json:

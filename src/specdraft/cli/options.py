@@ -45,10 +45,11 @@ def _tree_cap(text: str) -> int | None | str:
 def add_drafter_args(parser: argparse.ArgumentParser) -> None:
     """--drafter and the shape of its proposals."""
     g = parser.add_argument_group("drafter")
-    g.add_argument("--drafter", default="lookup", metavar="none|lookup|redrafter:PATH|medusa:PATH|draft:PATH",
+    g.add_argument("--drafter", default="auto", metavar="auto|none|lookup|redrafter:PATH|medusa:PATH|draft:PATH|A+B",
                    help="where candidate tokens come from: none (plain decoding), lookup (prompt "
                         "n-gram lookup), a trained recurrent drafter or a small draft model "
-                        "(checkpoint folders) (default: %(default)s)")
+                        "(checkpoint folders), several joined by '+'; auto: lookup+redrafter:default on "
+                        "the default target (its shipped head), lookup on any other (default: %(default)s)")
     g.add_argument("--max-tree-tokens", type=_tree_cap, default="auto", metavar="N|auto|none",
                    help="most tokens one verify step may hold over the whole batch, shared by its rows: "
                         "keeps speculation from slowing large batches (auto: none with --adaptive on, which weighs "
@@ -99,13 +100,14 @@ def resolve_dtype_arg(args: argparse.Namespace) -> None:
     args.dtype_note = f"specdraft: dtype {args.dtype} (--dtype auto: {why})"
 
 
-def announce_dtype(args: argparse.Namespace) -> None:
-    """Say on stderr (one line, once) which dtype ``--dtype auto`` picked: results differ
-    between dtypes, so a run must tell."""
-    note = getattr(args, "dtype_note", None)
-    if note:
-        print(note, file=sys.stderr, flush=True)
-        args.dtype_note = None
+def announce_choices(args: argparse.Namespace) -> None:
+    """Say on stderr (one line each, once) which dtype ``--dtype auto`` and which drafter
+    ``--drafter auto`` picked: results differ between them, so a run must tell."""
+    for name in ("dtype_note", "drafter_note"):
+        note = getattr(args, name, None)
+        if note:
+            print(note, file=sys.stderr, flush=True)
+            setattr(args, name, None)
 
 
 def check_model_args(args: argparse.Namespace) -> None:
@@ -129,7 +131,13 @@ def engine_spec(args: argparse.Namespace) -> build.EngineSpec:
 
 def load_engine(args: argparse.Namespace):
     """The target and drafter the options name, paired in a SpeculativeEngine (--dtype auto
-    resolved first, for ``announce_dtype``)."""
+    resolved first; both autos noted for ``announce_choices``)."""
     resolve_dtype_arg(args)
     # An attribute of the module, looked up on call: tests stub build_engine, where the work starts.
-    return build.build_engine(engine_spec(args))
+    engine = build.build_engine(engine_spec(args))
+    if args.drafter == "auto":
+        from ..drafters.registry import resolve_auto
+
+        args.drafter = resolve_auto(engine.target)
+        args.drafter_note = f"specdraft: drafter {args.drafter} (--drafter auto)"
+    return engine

@@ -11,7 +11,7 @@ import json
 import sys
 
 from ..errors import SpecdraftError
-from .options import add_drafter_args, add_target_args, announce_dtype, load_engine
+from .options import add_drafter_args, add_target_args, announce_choices, load_engine
 
 EXIT_MISMATCH = 1  # some prompt diverged beyond a near-tie (2 stays the usage-error code)
 
@@ -63,7 +63,7 @@ def run_parity_command(args: argparse.Namespace) -> int:
     items = load_prompts(args.prompts_file or args.dataset or "mt-bench", args.limit, args.chat)
     engine = load_engine(args)
     prompts = encode_first_turns(engine.target, items, args.chat)
-    announce_dtype(args)
+    announce_choices(args)
     model32 = engine.target.model
     if args.dtype != "float32":  # the near-tie test needs the model in float32
         with quiet_loading():
