@@ -168,7 +168,7 @@ class SpeculativeEngine:
             drafting = time.perf_counter() - started
             if stats is not None:
                 proposal = self._adapt(proposal, batch, ctx, depth, drafting)
-        if self._plain(proposal, stats):
+        if self._plain(proposal, stats, ctx):
             events = self._plain_step(batch, proposed=True, started=step_start + drafting)
             self._judge_look(stats, None, step_start, width)
             return events
@@ -226,14 +226,16 @@ class SpeculativeEngine:
         return replace(proposal, valid=valid)
 
     @staticmethod
-    def _plain(proposal: Proposal, stats) -> bool:
+    def _plain(proposal: Proposal, stats, ctx: DraftContext) -> bool:
         """Whether a proposal without drafted tokens may run as ``_plain_step``. The plain
         step consumes a sampling row's generator differently from a tree's verification,
-        so it is taken only where that cannot depend on the other rows: a drafter that
-        never drafts (shape 1 x 1), or a policy without seeded sampling rows."""
+        so it is taken only where that cannot depend on the other rows: a greedy batch
+        (argmax either way; e.g. a fixed shape cut to g0 by the tree-token cap), a drafter
+        that never drafts (shape 1 x 1), or a policy without seeded sampling rows."""
         if proposal.valid[:, :, 1:].any():
             return False
-        return proposal.beams.shape[1:] == (1, 1) or (stats is not None and not any(s.fixed for s in stats))
+        return bool(ctx.greedy.all()) or proposal.beams.shape[1:] == (1, 1) or \
+            (stats is not None and not any(s.fixed for s in stats))
 
     def _plain_step(self, batch: Batch, proposed: bool, started: float | None = None) -> list[StepEvent]:
         """One autoregressive step for every row: the cheapest step there is (g0 alone,
