@@ -133,6 +133,13 @@ def test_greedy_rows_decode_the_same_tokens(first_run):
             assert [p["token_ids"] for p in rows[key]["per_prompt"]] == ref, key
 
 
+def test_default_methods_are_plain_decoding_and_auto(tiny_target_path, prompts_file, tmp_path):
+    rows = rows_by(bench(tiny_target_path, prompts_file, tmp_path / "b"))
+    assert set(rows) == {("none", 0.0, 1), ("auto", 0.0, 1)}
+    ref = [p["token_ids"] for p in rows[("none", 0.0, 1)]["per_prompt"]]
+    assert [p["token_ids"] for p in rows[("auto", 0.0, 1)]["per_prompt"]] == ref
+
+
 def test_report_and_plots(first_run):
     out, _ = first_run
     report = (out / "report.md").read_text()

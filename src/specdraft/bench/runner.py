@@ -41,7 +41,7 @@ class BenchConfig:
     """Everything a benchmark run is parameterised by (the CLI's options)."""
 
     out: Path
-    drafters: list[str] = field(default_factory=lambda: ["none", "lookup"])
+    drafters: list[str] = field(default_factory=lambda: ["none", "auto"])
     datasets: list[str] = field(default_factory=lambda: ["mt-bench"])
     target: str = "default"
     device: str = "cpu"

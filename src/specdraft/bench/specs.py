@@ -14,7 +14,7 @@ from .peers import build_peer
 
 PEER_KINDS = ("hf-ar", "hf-assisted", "hf-lookup")
 WITH_PATH = ("redrafter", "medusa", "draft", "hf-assisted")
-WITHOUT_PATH = ("none", "lookup", "hf-ar", "hf-lookup")
+WITHOUT_PATH = ("none", "auto", "lookup", "hf-ar", "hf-lookup")
 
 
 def split_shape(spec: str) -> tuple[str, dict]:
@@ -59,7 +59,7 @@ def check_spec(spec: str) -> None:
         if not Path(path).expanduser().exists():
             raise SpecdraftError(f"{spec}: checkpoint folder not found: {path}")
         return
-    raise SpecdraftError(f"unknown method {spec!r}; choose from none, lookup, redrafter:PATH, medusa:PATH, "
+    raise SpecdraftError(f"unknown method {spec!r}; choose from none, auto, lookup, redrafter:PATH, medusa:PATH, "
                          "draft:PATH, hf-ar, hf-assisted:PATH, hf-lookup")
 
 

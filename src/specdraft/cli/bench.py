@@ -112,11 +112,11 @@ def add_bench(subparsers) -> None:
                     "transformers generate(), τ, acceptance by depth, stage times, peak memory. Writes "
                     "results.json (after every finished row), report.md and PNG plots to --out.")
     g = p.add_argument_group("methods")
-    g.add_argument("--drafters", type=str_list, default=["none", "lookup"], metavar="LIST",
-                   help="comma-separated: none, lookup, redrafter:PATH, medusa:PATH, draft:PATH (ours), hf-ar, "
+    g.add_argument("--drafters", type=str_list, default=["none", "auto"], metavar="LIST",
+                   help="comma-separated: none, auto (what generate and serve use by default), lookup, redrafter:PATH, medusa:PATH, draft:PATH (ours), hf-ar, "
                         "hf-assisted:PATH, hf-lookup (transformers); a suffix @WxL or @gG sets one method's shape, "
                         "@fixed or @adaptive (or /fixed, /adaptive after a shape) its policy, whatever --adaptive says. "
-                        "'none' is always measured (default: none,lookup)")
+                        "'none' is always measured (default: none,auto)")
     g.add_argument("--batch-sizes", type=int_list, default=[1], metavar="LIST", help="(default: 1)")
     g.add_argument("--temperatures", type=float_list, default=[0.0], metavar="LIST", help="0 = greedy (default: 0)")
     g.add_argument("--beam-width", type=int, metavar="W", help="candidate beams per step (drafter default if unset)")
