@@ -93,7 +93,7 @@ class CompactCache(Cache):
         # Nothing to move when every kept entry already sits where it belongs (one row with
         # no padding accepting a prefix of its tree: always so in autoregressive decoding).
         in_place = bool(((src == dst) | ~kept).all())
-        rows = torch.arange(B, device=accepted.device)[:, None].expand(B, A)
+        rows = None if in_place else torch.arange(B, device=accepted.device)[:, None].expand(B, A)
         for layer in ([] if in_place else self.layers):
             if not layer.is_initialized:
                 continue
