@@ -158,6 +158,33 @@ def test_cost_model_is_monotone_and_interpolates():
         CostModel([2, 4], [1.0, 2.0])
 
 
+def test_cost_model_prices_batched_layouts_with_its_batch_curves():
+    """T tokens over B rows cost the batch curves' figure (interpolated in B), not the
+    one-row chain of T tokens: 4 x 4 is cheaper than 1 x 16 on a real CPU."""
+    cost = CostModel([1, 4, 16, 64], [1.0, 1.2, 2.4, 8.0], batch_tokens=[1, 2, 4],
+                     batch={4: [1.1, 1.3, 1.6], 16: [1.6, 2.2, 3.4]})
+    assert cost(16) == cost(16, rows=1) == pytest.approx(2.4)  # one row: the chain curve
+    assert cost(16, rows=4) == pytest.approx(1.6)  # 4 x 4: the 4-row curve
+    assert cost(16, rows=16) == pytest.approx(1.6) and cost(32, rows=16) == pytest.approx(2.2)
+    one = 1.0 + 0.2 / 3  # the chain curve at 2 tokens
+    assert cost(4, rows=2) == pytest.approx(one + (1.3 - one) / 3)  # 2 x 2: a third of the way from 1 row to 4
+    assert cost(64, rows=32) == pytest.approx(2.2 + (2.2 - 1.3) / 12 * 16)  # 32 x 2, beyond 16: the last slope in B
+    assert cost(8, rows=4) < cost(8)  # the layouts the policy weighs are priced apart
+    back = CostModel.from_dict(json.loads(json.dumps(cost.to_dict())))
+    assert back(16, rows=4) == cost(16, rows=4) and back.batch == cost.batch
+    with pytest.raises(Exception):
+        CostModel([1, 2], [1.0, 2.0], batch_tokens=[1, 2], batch={4: [1.0]})
+
+
+def test_cost_model_measures_batch_curves(tiny_target):
+    from specdraft.costmodel import BATCH_ROWS, measure_cost_model
+
+    model = measure_cost_model(tiny_target, tokens=(1, 2, 4), trials=1)
+    assert sorted(model.batch) == list(BATCH_ROWS) and model.batch_tokens[0] == 1
+    assert all(len(ys) == len(model.batch_tokens) for ys in model.batch.values())
+    assert model(8, rows=4) > 0
+
+
 def test_cost_model_is_cached_on_disk(tiny_target, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
     calls = []
@@ -325,16 +352,50 @@ def test_tree_steps_dearer_than_the_curve_turn_drafting_off():
     stats, budget = [stats_with([0.5] * 8)], torch.tensor([9])
     assert policy.plan(stats, budget, 0) == 2  # (1 + 0.5 + 0.25) / 1.2 per the curve
     for _ in range(30):
-        policy.observe_step(False, 1, 0, LINEAR(1))
-        policy.observe_step(True, 3, 0, 2 * LINEAR(3))
+        policy.observe_step(False, 1, 1, 0, LINEAR(1))
+        policy.observe_step(True, 1, 3, 0, 2 * LINEAR(3))
     assert policy.step_ratio(True) == pytest.approx(2.0) and policy.step_ratio(False) == pytest.approx(1.0)
     assert policy.plan(stats, budget, 0) == 0  # 1.75 / 2.4 < 1 / 1.0
     # the same slowdown on every step (a busier machine) changes nothing
     busy = AdaptivePolicy(LINEAR)
     for _ in range(30):
-        busy.observe_step(False, 1, 0, 3 * LINEAR(1))
-        busy.observe_step(True, 3, 0, 3 * LINEAR(3))
+        busy.observe_step(False, 1, 1, 0, 3 * LINEAR(1))
+        busy.observe_step(True, 1, 3, 0, 3 * LINEAR(3))
     assert busy.plan(stats, budget, 0) == 2
+
+
+def test_step_costs_are_learnt_per_batch_size():
+    """Tree steps measured cheap at 4 rows must not make 16-row trees look cheap: the ratios
+    are kept per batch size (the benchmark that drafted on every 16-row step at 0.81x plain
+    decoding had learnt its tree ratio at 4 rows and its plain ratio at 16)."""
+    policy = AdaptivePolicy(LINEAR)
+    policy.observe_step(False, 1, 1, 0, 1.0)  # first step of each kind: not recorded
+    policy.observe_step(True, 1, 2, 0, 1.0)
+    for _ in range(40):
+        policy.observe_step(True, 4, 8, 0, 0.5 * LINEAR(8))  # 4-row trees: half the curve
+        policy.observe_step(False, 4, 4, 0, LINEAR(4))
+        policy.observe_step(False, 16, 16, 0, LINEAR(16))
+    ratio = policy.step_ratio
+    assert ratio(True, 4) == pytest.approx(0.5) and ratio(False, 16) == pytest.approx(1.0)
+    assert ratio(True, 3) == ratio(True, 4)  # 3 rows: the 4-row bucket
+    # 16-row trees never seen: the 16-row plain ratio times the tree/plain relation at 4 rows
+    assert ratio(True, 16) == pytest.approx(0.5)
+    for _ in range(60):
+        policy.observe_step(True, 16, 32, 0, 1.2 * LINEAR(32))  # measured at 16 rows: dearer
+    assert ratio(True, 16) == pytest.approx(1.2, rel=0.01) and ratio(True, 4) == pytest.approx(0.5)
+    assert ratio(True, 64) == ratio(True, 16) and ratio(False, 1) == ratio(False, 4)  # unseen sizes: nearest
+
+
+def test_new_requests_start_from_the_drafters_pooled_acceptance():
+    """A drafter whose prior says 0.6 but whose drafts are accepted 10% of the time: after
+    some requests, a new request starts near 0.1 instead of paying to relearn it."""
+    policy = AdaptivePolicy(LINEAR, prior=0.6)
+    assert policy.new_row(None).prior == pytest.approx(0.6)
+    for _ in range(30):
+        stats = [policy.new_row(None) for _ in range(4)]
+        for step in range(20):
+            policy.observe(stats, [1] * 4, [int((step + b) % 10 == 0) for b in range(4)], None, off=False)
+    assert policy.new_row(None).prior == pytest.approx(0.1, abs=0.02)
 
 
 def test_an_unseen_step_kind_takes_the_seen_kinds_ratio():
@@ -342,7 +403,7 @@ def test_an_unseen_step_kind_takes_the_seen_kinds_ratio():
     dear: until both kinds are measured, the curve's own relation stands."""
     policy = AdaptivePolicy(LINEAR)
     for _ in range(5):
-        policy.observe_step(True, 3, 0, 0.001 * LINEAR(3))
+        policy.observe_step(True, 1, 3, 0, 0.001 * LINEAR(3))
     assert policy.step_ratio(False) == policy.step_ratio(True) == pytest.approx(0.01)  # clamped
 
 
@@ -354,7 +415,7 @@ def test_a_row_with_nothing_to_draft_does_not_keep_the_batch_probing():
     steps = 0
     while policy.plan(stats, budget, 0) == 0:  # off until a probe is due and paid for
         policy.observe(stats, [0, 0], [0, 0], None, off=True)
-        policy.observe_step(False, 2, 0, STEEP(2))  # a plain step of the two rows earns probe credit
+        policy.observe_step(False, 2, 2, 0, STEEP(2))  # a plain step of the two rows earns probe credit
         steps += 1
     # Due after 8 steps off; paid once 3% of the steps cover the probe's extra STEEP(4) - STEEP(2).
     assert policy.probing and steps == math.ceil((STEEP(4) - STEEP(2)) / (EXPLORE_SHARE * STEEP(2)))
@@ -404,8 +465,8 @@ def test_a_drafters_slow_first_call_does_not_stop_its_looks():
     policy.draft_time.record(3, 0.004)
     assert policy.draft_time(3) == pytest.approx(0.004)
     ratio = AdaptivePolicy(LINEAR).step_ratio
-    ratio.record(True, 50.0, 1.0)  # the first tree step: not recorded either
-    ratio.record(True, 0.8, 1.0)
+    ratio.record(True, 1, 50.0, 1.0)  # the first tree step: not recorded either
+    ratio.record(True, 1, 0.8, 1.0)
     assert ratio(True) == pytest.approx(0.8)
 
 
@@ -447,5 +508,5 @@ def test_probes_cost_at_most_the_exploration_share_at_any_batch_size():
         seconds = LINEAR(B * (1 + n))
         total, plain = total + seconds, plain + LINEAR(B)
         policy.observe(stats, [n] * B, [0] * B, None, off=n == 0)
-        policy.observe_step(n > 0, B * (1 + n), 0, seconds)
+        policy.observe_step(n > 0, B, B * (1 + n), 0, seconds)
     assert 1.0 < total / plain <= 1 + EXPLORE_SHARE + 1e-9

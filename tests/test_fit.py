@@ -143,6 +143,16 @@ def test_corpus_holds_what_the_target_computes(tiny_target, data, tmp_path):
             assert batch.labels[row, i] == (argmax[t + 1 + i] if valid else -100)
             if valid:  # (inputs past a label's end are never read)
                 assert batch.inputs[row, i] == first.input_ids[t + 1 + i]
+    # The no-distillation labels (--labels text): the conversation's own next tokens, same validity.
+    text = corpus.gather(list(range(len(trained))), 3, label="text")
+    for row, t in enumerate(trained):
+        for i in range(3):
+            valid = all(t + 2 + j < len(answer) and answer[t + 2 + j] for j in range(i + 1))
+            assert text.labels[row, i] == (first.input_ids[t + 2 + i] if valid else -100)
+    from specdraft.train.fit import BLOCK, CorpusTask
+    n = min(BLOCK, len(corpus))
+    for labels, expect in (("target", corpus.gather(range(n), 3)), ("text", corpus.gather(range(n), 3, label="text"))):
+        assert torch.equal(CorpusTask(corpus, None, 3, "cpu", labels=labels).micro_batch([0]).labels[:n], expect.labels)
     # Rerunning skips the chunks that are there; another setting is refused.
     assert extract(tiny_target, examples, tmp_path / "c", corpus_manifest(tiny_target, examples, 48), chunk=5,
                    progress=False).tokens == 0

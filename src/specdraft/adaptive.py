@@ -6,12 +6,13 @@ Three parts, all plain objects the engine takes (tests pass synthetic ones):
   the whole batch, T = B x N (the packed tree is padded to its longest row, and every padded
   slot is computed), plus an attention term growing with the cached width. Measured once per
   target / dtype / device / threads with the ``bench --verify-cost`` code and cached on disk
-  (``costmodel.load_cost_model``). ``StepCostRatio`` corrects it on line: per step kind (plain, tree),
+  (``costmodel.load_cost_model``). ``StepCostRatio`` corrects it on line: per step kind (plain, tree) and batch size,
   measured step seconds over the curve's, so the overheads of tree steps (packing, masks,
   acceptance) and a machine busier than when the curve was measured are paid for.
 - ``RowStats``: one request's acceptance evidence. a_j = P(the drafted token at depth j is
-  accepted | depth j - 1 was) from decayed counts with a Beta prior (the drafter's
-  ``acceptance_prior``; depth j's prior mean is depth j - 1's estimate), and kappa, the
+  accepted | depth j - 1 was) from decayed counts with a Beta prior (depth 1: the drafter's
+  pooled evidence over the requests so far, from its ``acceptance_prior``; depth j's prior
+  mean is depth j - 1's estimate), and kappa, the
   calibration of the drafter's own per-token confidences c (``Proposal.confidence``).
 - ``AdaptivePolicy``: before drafting, ``plan`` picks the batch's depth n from the a_j alone
   (n = 0: no drafter call, the plain one-token step; but a cheap drafter with confidences
@@ -22,7 +23,7 @@ Three parts, all plain objects the engine takes (tests pass synthetic ones):
   rates v and padded cost,
 
       n* = argmax_n  (B + sum_b sum_{top min(n, count_b) nodes of b} v)
-                     / (cost(B (1 + n), width) r(n > 0) + draft(n))
+                     / (cost(B (1 + n), width, B) r(n > 0) + draft(n))
 
   (r: the step-cost ratio of the step's kind), exact for the padded cost model: since v
   never grows along a path (p <= 1), each row's top-k nodes form a prefix-closed subtree,
@@ -47,6 +48,12 @@ import torch
 from .costmodel import CostModel
 
 PRIOR_STRENGTH = 2.0  # pseudo-trials of the Beta prior per depth
+# A new request's prior is the drafter's pooled depth-1 evidence so far (every request's, this
+# decay per drafted row-step: about the last 200 count), itself starting from the drafter's
+# ``acceptance_prior``. Why: each request started from that fixed prior and paid ~20 drafted
+# steps to learn it was wrong. The shipped draft model's prior is 0.6 against 0.13 measured
+# on MT-Bench: it kept drafting on 15% of the steps at batch 4 (0.88-0.95x plain decoding).
+POOL_DECAY = 0.995
 DECAY = 0.95  # evidence weight kept per drafted step: about the last 20 steps count
 PROBE_START, PROBE_MAX = 8, 128  # steps off before a probe; doubles after a failed probe
 # Probes draft where the estimates say it does not pay, to find out whether that changed. At
@@ -171,31 +178,65 @@ class DraftTimer:
 
 class StepCostRatio:
     """What steps really cost against the cost model, learnt on line: per step kind (plain
-    one-token steps, tree steps) an EWMA of wall seconds (drafting excluded) over the cost
-    model's forward. The offline curve times bare forwards on a quiet machine; a real step
-    also packs the tree, builds masks, accepts and commits, and those costs grow with the tree
-    and the batch (on the 2-core EPYC, 4 rows of lookup trees cost ~50 ms a step more than the
-    curve said, enough to make drafting lose at batch 4), and a busier machine scales both.
-    A ratio multiplies (never makes a cost negative). A kind not seen yet takes the other
-    kind's ratio (1 before any step): only evidence on both kinds may change their relation.
-    The first step of each kind is not recorded (one-time costs, as ``DraftTimer``)."""
+    one-token steps, tree steps) and batch size (rows, in power-of-two buckets) an EWMA of
+    wall seconds (drafting excluded) over the cost model's forward. The offline curve times
+    bare forwards on a quiet machine; a real step also packs the tree, builds masks, accepts
+    and commits, and those costs grow with the tree and the batch (on the 2-core EPYC, 4 rows
+    of lookup trees cost ~50 ms a step more than the curve said, enough to make drafting lose
+    at batch 4), and a busier machine scales both. A ratio multiplies (never makes a cost
+    negative).
+
+    Why per batch size: the policy compares the two kinds at the same batch, and one ratio
+    per kind mixed sizes. In a benchmark of 20 prompts at batch 16 (a 16-row batch, then a
+    4-row one) the tree ratio learnt on the 4-row batch's many tree steps, next to a plain
+    ratio learnt at 16 rows, made 16-row trees look 15% cheaper than they were: the head
+    drafted on every 16-row step of the later repeats and ran at 0.81x plain decoding.
+
+    Unseen keys: a size seen for the other kind only takes that kind's ratio times the
+    tree / plain relation of the nearest size where both were seen (1 if none: the curve's
+    own relation stands); an unseen size takes the nearest seen size's figures. The first
+    step of each kind is not recorded (one-time costs, as ``DraftTimer``)."""
 
     def __init__(self, weight: float = 0.1):
         self.weight = weight
-        self.ratio = {False: 1.0, True: 1.0}
-        self.seen = {False: 0, True: 0}
-        self.skipped = {False: False, True: False}
+        self.ratio: dict[tuple[bool, int], float] = {}
+        self.seen: Counter = Counter()
+        self.skipped: set[bool] = set()
 
-    def record(self, tree: bool, measured: float, modelled: float) -> None:
-        if not self.skipped[tree]:
-            self.skipped[tree] = True
+    @staticmethod
+    def bucket(rows: int) -> int:
+        """1, 2, 4, 8, ...: the smallest power of two >= rows."""
+        return 1 << max(int(rows) - 1, 0).bit_length()
+
+    def record(self, tree: bool, rows: int, measured: float, modelled: float) -> None:
+        if tree not in self.skipped:
+            self.skipped.add(tree)
             return
+        key = (tree, self.bucket(rows))
         r = min(max(measured / max(modelled, 1e-12), 0.01), 100.0)  # one wild reading cannot dominate
-        self.ratio[tree] = r if not self.seen[tree] else (1 - self.weight) * self.ratio[tree] + self.weight * r
-        self.seen[tree] += 1
+        old = self.ratio.get(key)
+        self.ratio[key] = r if old is None else (1 - self.weight) * old + self.weight * r
+        self.seen[key] += 1
 
-    def __call__(self, tree: bool) -> float:
-        return self.ratio[tree] if self.seen[tree] else self.ratio[not tree]
+    def __call__(self, tree: bool, rows: int = 1) -> float:
+        b = self.bucket(rows)
+        if (tree, b) in self.ratio:
+            return self.ratio[(tree, b)]
+        if (not tree, b) in self.ratio:
+            return self.ratio[(not tree, b)] * self._relation(tree, b)
+        sizes = {size for _, size in self.ratio}
+        if not sizes:
+            return 1.0
+        near = min(sizes, key=lambda size: (abs(size.bit_length() - b.bit_length()), size))
+        return self(tree, near)
+
+    def _relation(self, tree: bool, b: int) -> float:
+        """ratio(tree) / ratio(not tree) at the nearest size where both kinds were seen (1: none)."""
+        both = [size for (kind, size) in self.ratio if kind and (False, size) in self.ratio]
+        if not both:
+            return 1.0
+        near = min(both, key=lambda size: (abs(size.bit_length() - b.bit_length()), size))
+        return self.ratio[(tree, near)] / self.ratio[(not tree, near)]
 
 
 # ---- the policy --------------------------------------------------------------------------
@@ -214,14 +255,18 @@ class AdaptivePolicy:
         self.probing = False  # the last plan drafted only because a probe was due and paid for
         self.looking = False  # the last plan drafted only to let the confidences choose
         self.confident = False  # the last proposal had confidences the policy could use
+        self.pool_hits = self.pool_trials = 0.0  # decayed depth-1 evidence of every request (POOL_DECAY)
 
     def new_row(self, drafter, params=None) -> RowStats:
         """Stats for a new request. A seeded sampling request keeps the drafter's fixed
         shape: its random stream is consumed per verified tree, so adapting (to the batch,
-        to timings) would make a seed's output depend on them; greedy output never does."""
-        prior = self.prior if self.prior is not None else getattr(drafter, "acceptance_prior", 0.5)
+        to timings) would make a seed's output depend on them; greedy output never does.
+        Depth 1's prior: the pooled evidence of the requests so far (``POOL_DECAY``)."""
+        base = self.prior if self.prior is not None else getattr(drafter, "acceptance_prior", 0.5)
+        base = min(max(float(base), 0.0), 1.0)
+        prior = (PRIOR_STRENGTH * base + self.pool_hits) / (PRIOR_STRENGTH + self.pool_trials)
         fixed = params is not None and not params.greedy and params.seed is not None
-        return RowStats(prior=min(max(float(prior), 0.0), 1.0), fixed=fixed)
+        return RowStats(prior=prior, fixed=fixed)
 
     def seconds(self, rows: int, width: int, draft_depth: int = 0, drafted: float | None = None):
         """n -> seconds of a step whose longest row verifies 1 + n tokens. Drafting: the
@@ -229,13 +274,14 @@ class AdaptivePolicy:
         timer's estimate for the depth the step would draft."""
         def step(n: int) -> float:
             draft = drafted if drafted is not None else self.draft_time(draft_depth or (n and n + SLACK))
-            return self.cost(rows * (1 + n), width) * self.step_ratio(n > 0) + draft
+            return self.cost(rows * (1 + n), width, rows) * self.step_ratio(n > 0, rows) + draft
         return step
 
-    def observe_step(self, tree: bool, tokens: int, width: int, seconds: float) -> None:
-        """A finished step: ``tokens`` padded tree tokens over the batch (B for a plain step)
-        with ``width`` cached slots took ``seconds`` of wall time, drafting excluded."""
-        self.step_ratio.record(tree, seconds, self.cost(tokens, width))
+    def observe_step(self, tree: bool, rows: int, tokens: int, width: int, seconds: float) -> None:
+        """A finished step of ``rows`` rows: ``tokens`` padded tree tokens over the batch (rows
+        for a plain step) with ``width`` cached slots took ``seconds`` of wall time, drafting
+        excluded."""
+        self.step_ratio.record(tree, rows, seconds, self.cost(tokens, width, rows))
         self.probe_credit += EXPLORE_SHARE * seconds
 
     def plan(self, stats: list[RowStats], budget: torch.Tensor, width: int) -> int:
@@ -383,6 +429,8 @@ class AdaptivePolicy:
                                                               else s.probe_every)
             s.off_streak = 0
             self._count(s, offered[b], accepted[b], None if predicted is None else predicted[b].tolist())
+            self.pool_hits = POOL_DECAY * self.pool_hits + float(accepted[b] > 0)
+            self.pool_trials = POOL_DECAY * self.pool_trials + 1.0
 
     @staticmethod
     def _count(s: RowStats, offered: int, accepted: int, predicted: list[float] | None) -> None:

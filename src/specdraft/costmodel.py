@@ -4,17 +4,25 @@ and every padded slot is computed), plus an attention term growing with the cach
 
 Measured once per target / dtype / device / threads with the ``bench --verify-cost`` code
 (``timing.measure_verify_cost``) and cached on disk (``load_cost_model``);
-``adaptive.StepCostRatio`` corrects it on line. Worked example: 16 rows drafting one token
-each verify T = 32 tokens, where a plain step of those rows verifies 16; on the 2-core EPYC
-(SmolLM2, bfloat16) cost(32) measured 1.56x cost(16), so one drafted token per row pays only
-if more than 56% of them are accepted.
+``adaptive.StepCostRatio`` corrects it on line.
+
+T tokens do not cost the same in every layout: one row of 16 chained tokens attends over a
+16 x (P + 16) block, 4 rows of 4 over four 4 x (P + 4) blocks. On the 2-core EPYC (SmolLM2,
+bfloat16, 128 cached) T = 16 cost 59.6 ms as 1 x 16, 50.6 as 4 x 4 and 48.8 as 16 x 1; T = 64
+171.5 as 1 x 64 and 119.3 as 16 x 4. The one-row curve alone made batched trees look dear and
+kept the policy at one drafted token at batch 4, where the fixed 1 x 3 shape ran 10% faster
+than plain decoding. So the model also holds curves at a few batch sizes (``BATCH_ROWS``:
+seconds against tokens per row) and interpolates between them in B. Worked example: 16 rows
+drafting one token each verify 16 x 2; measured 74.8 ms against 48.8 ms for the plain step
+of those rows (1.53x), so one drafted token per row pays only if more than 53% of them are
+accepted.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,6 +33,9 @@ COST_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 COST_PREFIX = 128  # cached tokens of the main curve
 COST_LONG_PREFIX = 640  # a second, shorter curve here gives the attention term
 COST_LONG_TOKENS = (1, 8, 32)
+BATCH_ROWS = (4, 16)  # batch sizes with their own curve (batch 1: the main curve)
+BATCH_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16)  # tokens per row measured at those batch sizes
+FORMAT = 2  # 2: with batch curves (a cached model of format 1 is measured again)
 
 
 @dataclass
@@ -34,9 +45,11 @@ class CostModel:
     tokens:  increasing T values, tokens[0] == 1 (batch 1, a chain of T tokens)
     seconds: forward seconds at each T with ``prefix`` tokens cached
     per_kv:  extra seconds per (tree token x cached slot) beyond ``prefix`` (attention)
-    Invariant after construction: seconds is non-decreasing (a forward of more tokens never
-    costs less): the readings' least-squares non-decreasing fit (``monotone_fit``), so one
-    noisy reading, high or low, is averaged with its neighbours instead of carried on to
+    batch:   {B: seconds at each of ``batch_tokens`` chain tokens per row, B rows} for B > 1
+             (empty: every layout of T tokens costs the one-row curve's T)
+    Invariant after construction: every curve is non-decreasing (a forward of more tokens
+    never costs less): the readings' least-squares non-decreasing fit (``monotone_fit``), so
+    one noisy reading, high or low, is averaged with its neighbours instead of carried on to
     every larger size as a running max would.
     """
 
@@ -45,41 +58,70 @@ class CostModel:
     prefix: int = COST_PREFIX
     per_kv: float = 0.0
     key: str = ""
+    batch_tokens: list[int] = field(default_factory=list)
+    batch: dict[int, list[float]] = field(default_factory=dict)
 
     def __post_init__(self):
-        if not self.tokens or len(self.tokens) != len(self.seconds) or self.tokens[0] != 1 or \
-                any(b <= a for a, b in zip(self.tokens, self.tokens[1:])) or min(self.seconds) <= 0:
+        if not valid_curve(self.tokens, self.seconds) or \
+                any(B < 2 or not valid_curve(self.batch_tokens, ys) for B, ys in self.batch.items()):
             raise SpecdraftError("a cost model needs increasing token counts from 1 and positive seconds")
         self.seconds = monotone_fit([float(s) for s in self.seconds])
+        self.batch = {int(B): monotone_fit([float(s) for s in ys]) for B, ys in sorted(self.batch.items())}
         self.per_kv = max(0.0, float(self.per_kv))
 
-    def __call__(self, tokens: int, width: int | None = None) -> float:
-        """Seconds of a forward over ``tokens`` padded tree tokens with ``width`` cached slots."""
-        base = self._curve(max(int(tokens), 1))
+    def __call__(self, tokens: int, width: int | None = None, rows: int = 1) -> float:
+        """Seconds of a forward over ``tokens`` padded tree tokens in ``rows`` rows (tokens /
+        rows each) with ``width`` cached slots."""
+        tokens = max(int(tokens), 1)
+        rows = min(max(int(rows), 1), tokens)
+        base = self._curve(tokens) if rows == 1 or not self.batch else self._batched(rows, tokens / rows)
         if width is None:
             return base
         return base + self.per_kv * tokens * max(0, width - self.prefix)
 
-    def _curve(self, t: int) -> float:
-        xs, ys = self.tokens, self.seconds
-        if t >= xs[-1]:  # beyond the measured range: the last slope goes on
-            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else ys[-1]
-            return ys[-1] + slope * (t - xs[-1])
-        i = next(i for i, x in enumerate(xs) if x >= t)
-        if xs[i] == t:
-            return ys[i]
-        frac = (t - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return ys[i - 1] + frac * (ys[i] - ys[i - 1])
+    def _curve(self, t: float) -> float:
+        return interpolate(self.tokens, self.seconds, t)
+
+    def _batched(self, rows: int, n: float) -> float:
+        """rows x n tokens: the batch curves at n, linear in B between the measured batch
+        sizes (batch 1: the main curve) and along the last two beyond them."""
+        sizes = [1] + list(self.batch)
+        at = [self._curve(n)] + [interpolate(self.batch_tokens, ys, n) for ys in self.batch.values()]
+        if rows >= sizes[-1]:
+            lo = len(sizes) - 2
+        else:
+            lo = next(i for i in range(len(sizes) - 1) if sizes[i + 1] > rows)
+        slope = max((at[lo + 1] - at[lo]) / (sizes[lo + 1] - sizes[lo]), 0.0)
+        return at[lo] + slope * (rows - sizes[lo])
 
     def to_dict(self) -> dict:
-        return {"tokens": self.tokens, "seconds": self.seconds, "prefix": self.prefix,
-                "per_kv": self.per_kv, "key": self.key}
+        return {"format": FORMAT, "tokens": self.tokens, "seconds": self.seconds, "prefix": self.prefix,
+                "per_kv": self.per_kv, "key": self.key, "batch_tokens": self.batch_tokens,
+                "batch": {str(B): ys for B, ys in self.batch.items()}}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
         return cls(tokens=[int(t) for t in d["tokens"]], seconds=[float(s) for s in d["seconds"]],
                    prefix=int(d.get("prefix", COST_PREFIX)), per_kv=float(d.get("per_kv", 0.0)),
-                   key=str(d.get("key", "")))
+                   key=str(d.get("key", "")), batch_tokens=[int(t) for t in d.get("batch_tokens", [])],
+                   batch={int(B): [float(s) for s in ys] for B, ys in d.get("batch", {}).items()})
+
+
+def valid_curve(tokens: list[int], seconds: list[float]) -> bool:
+    return bool(tokens) and len(tokens) == len(seconds) and tokens[0] == 1 and \
+        all(b > a for a, b in zip(tokens, tokens[1:])) and min(seconds) > 0
+
+
+def interpolate(xs: list[int], ys: list[float], t: float) -> float:
+    """ys at t, linear between the points; beyond the last one the last slope goes on."""
+    if t >= xs[-1]:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else ys[-1]
+        return ys[-1] + slope * (t - xs[-1])
+    i = next(i for i, x in enumerate(xs) if x >= t)
+    if xs[i] == t or i == 0:
+        return ys[i]
+    frac = (t - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return ys[i - 1] + frac * (ys[i] - ys[i - 1])
 
 
 def monotone_fit(values: list[float]) -> list[float]:
@@ -103,7 +145,7 @@ def cost_model_key(target) -> str:
 
     layout = fastpath.CHOSEN.get(target.dtype, fastpath.LAYOUTS.get(target.dtype))
     return (f"{target.name}|{target.dtype}|{target.device}|threads={torch.get_num_threads()}|"
-            f"torch={torch.__version__}|linear={layout or 'stock'}")
+            f"torch={torch.__version__}|linear={layout or 'stock'}|cost={FORMAT}")
 
 
 def cost_model_path(target) -> Path:
@@ -123,7 +165,8 @@ def measure_cost_model(target, tokens=COST_TOKENS, prefix: int = COST_PREFIX, tr
     room = target.max_context - prefix
     tokens = [t for t in tokens if t <= room] or [1]
     rows = measure_verify_cost(target, tokens, prefix, trials, warmup=1, progress=False)
-    model = CostModel([r["tree_tokens"] for r in rows], [r["ms_median"] / 1000 for r in rows], prefix)
+    model = CostModel([r["tree_tokens"] for r in rows], [r["ms_median"] / 1000 for r in rows], prefix,
+                      **measure_batches(target, prefix, trials))
     long_prefix = min(COST_LONG_PREFIX, target.max_context - max(COST_LONG_TOKENS) - 1)
     if long_prefix > 2 * prefix:
         far = measure_verify_cost(target, list(COST_LONG_TOKENS), long_prefix, trials, warmup=1, progress=False)
@@ -132,6 +175,25 @@ def measure_cost_model(target, tokens=COST_TOKENS, prefix: int = COST_PREFIX, tr
         model.per_kv = max(0.0, sorted(slopes)[len(slopes) // 2])
     model.key = cost_model_key(target)
     return model
+
+
+def measure_batches(target, prefix: int, trials: int, rows=BATCH_ROWS, tokens=BATCH_TOKENS) -> dict:
+    """The batch curves: medians of ``trials`` forwards of B rows x N chain tokens, taken in
+    rounds over every (B, N) as ``measure_verify_cost`` does (a slow spell spreads over all)."""
+    import statistics
+
+    from .timing import prefill, time_forward
+
+    tokens = [n for n in tokens if prefix + n <= target.max_context]
+    caches = {B: prefill(target, prefix, prefix + max(tokens) + 8, rows=B) for B in rows}
+    times = {(B, n): [] for B in rows for n in tokens}
+    for B, n in times:
+        time_forward(target, caches[B], n, prefix, 0, 1)  # warm-up
+    for _ in range(trials):
+        for B, n in times:
+            times[(B, n)] += time_forward(target, caches[B], n, prefix, 1, 0)
+    return {"batch_tokens": tokens,
+            "batch": {B: [statistics.median(times[(B, n)]) for n in tokens] for B in rows}}
 
 
 def load_cost_model(target, refresh: bool = False, measure=measure_cost_model) -> CostModel:

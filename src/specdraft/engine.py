@@ -203,7 +203,7 @@ class SpeculativeEngine:
             batch.ctx = self._context(batch.rows, batch.hidden)
             self._drop_finished(batch)
         if stats is not None:
-            self.policy.observe_step(True, tree.tokens.numel(), width, time.perf_counter() - step_start - drafting)
+            self.policy.observe_step(True, len(stats), tree.tokens.numel(), width, time.perf_counter() - step_start - drafting)
             self._judge_look(stats, acc.n, step_start, width)
         return events
 
@@ -267,7 +267,7 @@ class SpeculativeEngine:
             batch.ctx = self._context(batch.rows, batch.hidden)
             self._drop_finished(batch)
         if self.policy is not None and started is not None:
-            self.policy.observe_step(False, B, width, time.perf_counter() - started)
+            self.policy.observe_step(False, B, B, width, time.perf_counter() - started)
         return events
 
     def cancel(self, batch: Batch, ids: set[int]) -> None:

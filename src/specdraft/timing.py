@@ -29,11 +29,13 @@ def synchronize(device: torch.device) -> None:
 
 
 def time_forward(target: Target, cache: CompactCache, n: int, prefix: int, trials: int, warmup: int) -> list[float]:
-    """Seconds of `trials` forwards (+ logits) of n chain tokens after the cached prefix."""
+    """Seconds of `trials` forwards (+ logits) of n chain tokens per row after the cached
+    prefix, for every row of ``cache`` at once (B rows: B x n tokens)."""
     device = target.device
-    ids = torch.randint(target.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
-    positions = (prefix + torch.arange(n, device=device))[None]
-    chain = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None]
+    B = cache.lengths.shape[0]
+    ids = torch.randint(target.vocab_size, (B, n), generator=torch.Generator().manual_seed(n)).to(device)
+    positions = (prefix + torch.arange(n, device=device))[None].expand(B, n)
+    chain = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None].expand(B, n, n)
     mask = cache.attention_mask(chain)
     times = []
     with torch.no_grad():
@@ -47,16 +49,16 @@ def time_forward(target: Target, cache: CompactCache, n: int, prefix: int, trial
     return times
 
 
-def prefill(target: Target, prefix: int, capacity: int) -> CompactCache:
-    """A cache holding ``prefix`` random tokens, committed."""
+def prefill(target: Target, prefix: int, capacity: int, rows: int = 1) -> CompactCache:
+    """A cache of ``rows`` rows, each holding ``prefix`` random tokens, committed."""
     device = target.device
-    cache = CompactCache(target.num_layers, 1, capacity, device)
-    ids = torch.randint(target.vocab_size, (1, prefix), generator=torch.Generator().manual_seed(0)).to(device)
+    cache = CompactCache(target.num_layers, rows, capacity, device)
+    ids = torch.randint(target.vocab_size, (rows, prefix), generator=torch.Generator().manual_seed(0)).to(device)
     pos = torch.arange(prefix, device=device)
-    causal = (pos[:, None] >= pos[None, :])[None, None]
+    causal = (pos[:, None] >= pos[None, :])[None].expand(rows, prefix, prefix)
     with torch.no_grad():
-        target.forward(ids, pos[None], causal, cache)
-    cache.commit(pos[None], torch.tensor([prefix], device=device))
+        target.forward(ids, pos[None].expand(rows, prefix), cache.attention_mask(causal), cache)
+    cache.commit(pos[None].expand(rows, prefix), torch.full((rows,), prefix, device=device))
     return cache
 
 

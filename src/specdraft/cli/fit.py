@@ -67,6 +67,10 @@ def add_fit(subparsers) -> None:
                    help="output over the N tokens the target writes most (0: whole vocabulary) (default: %(default)s)")
     g.add_argument("--head", choices=("own", "shared"), default="own", help="(default: %(default)s)")
     g.add_argument("--future-tokens", "-K", type=int, default=4, metavar="K", help="(default: %(default)s)")
+    g.add_argument("--labels", choices=("target", "text"), default="target",
+                   help="train on the target's own greedy choices (distillation, the paper's recipe) or on "
+                        "the conversations' own next tokens (the paper's no-distillation ablation) "
+                        "(default: %(default)s)")
     g.add_argument("--num-blocks", type=int, metavar="N",
                    help="residual blocks (default: 2 for redrafter, as the paper; 1 per Medusa head)")
     g.add_argument("--init-from", metavar="PATH", help="start from this checkpoint's weights ('default': the drafter of "
@@ -105,7 +109,7 @@ def config_from(args: argparse.Namespace):
                        tokens=parse_count(args.tokens) if args.tokens else None,
                        budget_seconds=parse_duration(args.budget) if args.budget else None,
                        extract_share=args.extract_share, heldout_prompts=args.heldout_prompts,
-                       draft_vocab=args.draft_vocab, head=args.head, K=args.future_tokens, num_blocks=args.num_blocks if args.num_blocks is not None else (2 if args.drafter == "redrafter" else 1),
+                       draft_vocab=args.draft_vocab, head=args.head, labels=args.labels, K=args.future_tokens, num_blocks=args.num_blocks if args.num_blocks is not None else (2 if args.drafter == "redrafter" else 1),
                        epochs=args.epochs, max_steps=args.max_steps, batch_positions=args.batch_positions,
                        lr=args.lr if args.lr is not None else DEFAULT_LR[args.drafter], warmup=args.warmup,
                        loss=args.loss, copy_layers=args.copy_layers, gamma=args.gamma,

@@ -19,7 +19,8 @@ Stages, each resumable and each skipped when its output is already complete:
 
 Objective (per trained position t, depth i = 0..K-1; labels from ``corpus.gather``):
 loss = Σ_i mean_{t: y_{t,i} in the draft vocabulary} CE(q_{t,i}, y_{t,i}), with y_{t,i} =
-the target's greedy choice after x_<=t+1+i. Labels outside the draft vocabulary cannot be
+the target's greedy choice after x_<=t+1+i (``labels="text"``: the conversation's own token
+x_{t+2+i}, the paper's no-distillation ablation). Labels outside the draft vocabulary cannot be
 drafted; they are dropped from the loss and counted (``oov_i`` in the log).
 
 Budget: ``budget_seconds`` bounds the whole command's wall-clock time; extraction stops
@@ -76,6 +77,7 @@ class FitConfig:
     heldout_max_new_tokens: int = 256
     draft_vocab: int = 8192
     head: str = "own"
+    labels: str = "target"  # "target": the target's greedy choices (distillation); "text": the data's own tokens
     K: int = 4
     num_blocks: int = 2
     epochs: int = 2
@@ -109,6 +111,8 @@ class FitConfig:
                 raise SpecdraftError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.draft_vocab < 0 or not self.lr > 0 or not 0 <= self.warmup < 1 or not 0 < self.extract_share <= 1:
             raise SpecdraftError("need draft-vocab >= 0, lr > 0, 0 <= warmup < 1 and 0 < extract-share <= 1")
+        if self.labels not in ("target", "text"):
+            raise SpecdraftError(f"--labels must be target or text, got {self.labels!r}")
         if self.drafter not in ("redrafter", "medusa", "draft"):
             raise SpecdraftError(f"fit trains redrafter or medusa heads or a draft model, got {self.drafter!r}")
         if self.drafter == "draft":
@@ -150,13 +154,17 @@ class CorpusTask:
 
     bar_fields = ("loss", "acc1_0")
 
-    def __init__(self, corpus: Corpus, vocab: DraftVocab | None, K: int, device, held_out=None):
+    def __init__(self, corpus: Corpus, vocab: DraftVocab | None, K: int, device, held_out=None,
+                 labels: str = "target"):
+        """``labels``: "target" trains on the target's greedy choices (the corpus's "greedy"
+        labels), "text" on the conversations' own next tokens (no distillation)."""
         self.corpus, self.vocab, self.K, self.device = corpus, vocab, K, device
         self.held_out = held_out
+        self.label = "greedy" if labels == "target" else "text"
 
     def micro_batch(self, indices: list[int]) -> PositionBatch:
         flat = (np.asarray(indices, dtype=np.int64)[:, None] * BLOCK + np.arange(BLOCK)).ravel()
-        mb = self.corpus.gather(flat[flat < len(self.corpus)], self.K)
+        mb = self.corpus.gather(flat[flat < len(self.corpus)], self.K, label=self.label)
         mb.oov = ((mb.labels != IGNORE) & (to_output_space(self.vocab, mb.labels) == IGNORE)).sum(0)
         mb.labels = to_output_space(self.vocab, mb.labels)
         return mb
@@ -332,7 +340,7 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
     if resume is None:
         first = held_out.first()
         say(f"before training: held-out {summarise(first, config.K)}")
-    task = CorpusTask(corpus, vocab, config.K, target.device, held_out)
+    task = CorpusTask(corpus, vocab, config.K, target.device, held_out, labels=config.labels)
     deadline = budget.deadline()
     opts = LoopOptions(out=out, save_every=10**9, save_every_seconds=config.save_every_seconds, keep_checkpoints=2,
                        # Logged steps divide eval_every, so evaluations fall on its multiples only
