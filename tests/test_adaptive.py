@@ -386,6 +386,22 @@ def test_step_costs_are_learnt_per_batch_size():
     assert ratio(True, 64) == ratio(True, 16) and ratio(False, 1) == ratio(False, 4)  # unseen sizes: nearest
 
 
+def test_rows_a_drafter_rarely_drafts_for_are_weighed_by_how_often_it_does():
+    """Lookup's rates are given a match; a batch whose rows rarely match must not plan
+    trees (every row pads the tree, only matched rows gain): the plan weighs each row's
+    gains by its offer rate."""
+    policy = AdaptivePolicy(LINEAR)
+    stats, budget = [stats_with([0.9] * 8) for _ in range(2)], torch.tensor([9, 9])
+    assert policy.plan(stats, budget, 0) > 0  # 0.9 per token, every call drafting
+    for _ in range(60):
+        policy.observe_offers(stats, [False, False])
+    assert stats[0].offer_rate < 0.1
+    assert policy.plan(stats, budget, 0) == 0
+    for _ in range(60):
+        policy.observe_offers(stats, [True, True])
+    assert policy.plan(stats, budget, 0) > 0
+
+
 def test_new_requests_start_from_the_drafters_pooled_acceptance():
     """A drafter whose prior says 0.6 but whose drafts are accepted 10% of the time: after
     some requests, a new request starts near 0.1 instead of paying to relearn it."""

@@ -2,18 +2,20 @@
 
 Three parts, all plain objects the engine takes (tests pass synthetic ones):
 
-- ``costmodel.CostModel``: seconds of one target forward against the padded tree tokens of
-  the whole batch, T = B x N (the packed tree is padded to its longest row, and every padded
-  slot is computed), plus an attention term growing with the cached width. Measured once per
-  target / dtype / device / threads with the ``bench --verify-cost`` code and cached on disk
-  (``costmodel.load_cost_model``). ``StepCostRatio`` corrects it on line: per step kind (plain, tree) and batch size,
-  measured step seconds over the curve's, so the overheads of tree steps (packing, masks,
-  acceptance) and a machine busier than when the curve was measured are paid for.
+- ``costmodel.CostModel``: seconds of one target forward of B rows x N padded tree tokens
+  (the packed tree is padded to its longest row, and every padded slot is computed), plus an
+  attention term growing with the cached width. Measured once per target / dtype / device /
+  threads with the ``bench --verify-cost`` code (and at a few batch sizes) and cached on disk
+  (``costmodel.load_cost_model``). ``StepCostRatio`` corrects it on line: per step kind
+  (plain, tree) and batch size, measured step seconds over the curve's, so the overheads of
+  tree steps (packing, masks, acceptance) and a machine busier than when the curve was
+  measured are paid for.
 - ``RowStats``: one request's acceptance evidence. a_j = P(the drafted token at depth j is
   accepted | depth j - 1 was) from decayed counts with a Beta prior (depth 1: the drafter's
   pooled evidence over the requests so far, from its ``acceptance_prior``; depth j's prior
-  mean is depth j - 1's estimate), and kappa, the
-  calibration of the drafter's own per-token confidences c (``Proposal.confidence``).
+  mean is depth j - 1's estimate), the row's offer rate (how often a drafter call drafts
+  anything for it: the a_j are given an offer), and kappa, the calibration of the
+  drafter's own per-token confidences c (``Proposal.confidence``).
 - ``AdaptivePolicy``: before drafting, ``plan`` picks the batch's depth n from the a_j alone
   (n = 0: no drafter call, the plain one-token step; but a cheap drafter with confidences
   is asked anyway, a "look": see LOOK_SHARE); after drafting, ``choose`` keeps per
@@ -106,9 +108,17 @@ class RowStats:
     off_streak: int = 0
     probe_every: int = PROBE_START
     off_steps: int = 0
+    offers: float = 0.0  # decayed drafter calls that drafted something for this row ...
+    calls: float = 0.0  # ... of decayed calls (a lookup finds no match on most steps)
     look_saved: float = 0.0  # seconds the looks of the current trial saved (negative: lost)
     look_count: int = 0  # looks in the current trial
     look_pause: int = 0  # steps until this row may look again
+
+    @property
+    def offer_rate(self) -> float:
+        """P(a drafter call drafts anything for this row): prior 1 (every call), decayed
+        evidence. The a_j are rates given an offer; a plan weighs them by this."""
+        return (PRIOR_STRENGTH + self.offers) / (PRIOR_STRENGTH + self.calls)
 
     def rates(self, depth: int) -> list[float]:
         """a_1..a_depth: depth j's posterior mean, its prior mean being depth j-1's."""
@@ -296,7 +306,9 @@ class AdaptivePolicy:
             return max(depth, 1)
         if depth == 0:
             return 0
-        gains = [chain_gains(s.rates(depth)) for s in stats]
+        # A row's expected gain counts only calls that draft for it (a lookup's rows without
+        # a match add nothing but still pad the tree): the rates are given an offer.
+        gains = [[g * s.offer_rate for g in chain_gains(s.rates(depth))] for s in stats]
         seconds = self.seconds(len(stats), width)
         n = best_size(gains, counts, seconds)
         if n == 0 and len(stats) <= LOOK_MAX_ROWS and not any(s.look_pause for s in stats) and \
@@ -409,6 +421,14 @@ class AdaptivePolicy:
         keep = torch.arange(L, device=proposal.valid.device) <= n
         fixed = torch.tensor([s.fixed for s in stats], device=keep.device)[:, None, None]
         return chain & (keep | fixed)
+
+    @staticmethod
+    def observe_offers(stats: list[RowStats], drafted: list[bool]) -> None:
+        """After a drafter call (before the policy cut its proposal): which rows it drafted
+        anything for."""
+        for s, d in zip(stats, drafted):
+            s.offers = DECAY * s.offers + float(d)
+            s.calls = DECAY * s.calls + 1.0
 
     def observe(self, stats: list[RowStats], offered: list[int], accepted: list[int],
                 predicted: torch.Tensor | None, off: bool) -> None:

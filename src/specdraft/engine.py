@@ -220,6 +220,7 @@ class SpeculativeEngine:
         """Cut the proposal to what the policy finds worth verifying (valid mask only)."""
         stats = [r.adapt for r in batch.rows]
         self.policy.draft_time.record(depth + SLACK, seconds)
+        self.policy.observe_offers(stats, proposal.valid[:, :, 1:].any(dim=2).any(dim=1).tolist())
         # Sampled drafts (q) must not be cut by their own drawn tokens' confidences.
         use_conf = ctx.greedy | (proposal.q is None)
         valid = self.policy.choose(proposal, stats, use_conf, batch.cache.width, seconds, self.policy.probing)
