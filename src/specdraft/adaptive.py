@@ -50,11 +50,9 @@ import torch
 from .costmodel import CostModel
 
 PRIOR_STRENGTH = 2.0  # pseudo-trials of the Beta prior per depth
-# A new request's prior is the drafter's pooled depth-1 evidence so far (every request's, this
-# decay per drafted row-step: about the last 200 count), itself starting from the drafter's
-# ``acceptance_prior``. Why: each request started from that fixed prior and paid ~20 drafted
-# steps to learn it was wrong. The shipped draft model's prior is 0.6 against 0.13 measured
-# on MT-Bench: it kept drafting on 15% of the steps at batch 4 (0.88-0.95x plain decoding).
+# A new request's prior: the drafter's pooled depth-1 evidence so far (this decay per drafted
+# row-step, ~the last 200), from its ``acceptance_prior``; a fixed prior cost every request
+# ~20 drafted steps to unlearn (the shipped draft model: 0.6 against 0.13 measured).
 POOL_DECAY = 0.995
 DECAY = 0.95  # evidence weight kept per drafted step: about the last 20 steps count
 PROBE_START, PROBE_MAX = 8, 128  # steps off before a probe; doubles after a failed probe
@@ -196,11 +194,8 @@ class StepCostRatio:
     at batch 4), and a busier machine scales both. A ratio multiplies (never makes a cost
     negative).
 
-    Why per batch size: the policy compares the two kinds at the same batch, and one ratio
-    per kind mixed sizes. In a benchmark of 20 prompts at batch 16 (a 16-row batch, then a
-    4-row one) the tree ratio learnt on the 4-row batch's many tree steps, next to a plain
-    ratio learnt at 16 rows, made 16-row trees look 15% cheaper than they were: the head
-    drafted on every 16-row step of the later repeats and ran at 0.81x plain decoding.
+    Per batch size because the policy compares the kinds at one batch size (one ratio per
+    kind once made 16-row trees look cheap: docs/engine.md, "Step-cost ratios").
 
     Unseen keys: a size seen for the other kind only takes that kind's ratio times the
     tree / plain relation of the nearest size where both were seen (1 if none: the curve's

@@ -62,20 +62,7 @@ def add_fit(subparsers) -> None:
                    help="held-out ShareGPT prompts the target answers, for τ (default: %(default)s)")
     p.add_argument("--heldout-data", metavar="FILE.jsonl",
                    help="score on this distill file of the target's answers instead")
-    g = p.add_argument_group("head")
-    g.add_argument("--draft-vocab", type=int, default=8192, metavar="N",
-                   help="output over the N tokens the target writes most (0: whole vocabulary) (default: %(default)s)")
-    g.add_argument("--head", choices=("own", "shared"), default="own", help="(default: %(default)s)")
-    g.add_argument("--future-tokens", "-K", type=int, default=4, metavar="K", help="(default: %(default)s)")
-    g.add_argument("--labels", choices=("target", "text"), default="target",
-                   help="train on the target's own greedy choices (distillation, the paper's recipe) or on "
-                        "the conversations' own next tokens (the paper's no-distillation ablation) "
-                        "(default: %(default)s)")
-    g.add_argument("--num-blocks", type=int, metavar="N",
-                   help="residual blocks (default: 2 for redrafter, as the paper; 1 per Medusa head)")
-    g.add_argument("--init-from", metavar="PATH", help="start from this checkpoint's weights ('default': the drafter of "
-                   "this kind shipped for the default target); a head's draft vocabulary rows are taken from a "
-                   "full-vocabulary head")
+    add_head_options(p)
     g = p.add_argument_group("draft model (--drafter draft)")
     g.add_argument("--loss", choices=("fkl", "rkl", "tvd", "tvdpp"), default="tvdpp",
                    help="distillation loss (docs/draft_model.md) (default: %(default)s)")
@@ -99,6 +86,24 @@ def add_fit(subparsers) -> None:
     p.add_argument("--stop-after-steps", type=int, metavar="N", help=argparse.SUPPRESS)  # tests: a crash
     add_target_args(p)
     p.set_defaults(run=run)
+
+
+def add_head_options(p) -> None:
+    """The head's shape and labels (ReDrafter and Medusa heads)."""
+    g = p.add_argument_group("head")
+    g.add_argument("--draft-vocab", type=int, default=8192, metavar="N",
+                   help="output over the N tokens the target writes most (0: whole vocabulary) (default: %(default)s)")
+    g.add_argument("--head", choices=("own", "shared"), default="own", help="(default: %(default)s)")
+    g.add_argument("--future-tokens", "-K", type=int, default=4, metavar="K", help="(default: %(default)s)")
+    g.add_argument("--labels", choices=("target", "text"), default="target",
+                   help="train on the target's own greedy choices (distillation, the paper's recipe) or on "
+                        "the conversations' own next tokens (the paper's no-distillation ablation) "
+                        "(default: %(default)s)")
+    g.add_argument("--num-blocks", type=int, metavar="N",
+                   help="residual blocks (default: 2 for redrafter, as the paper; 1 per Medusa head)")
+    g.add_argument("--init-from", metavar="PATH", help="start from this checkpoint's weights ('default': the drafter of "
+                   "this kind shipped for the default target); a head's draft vocabulary rows are taken from a "
+                   "full-vocabulary head")
 
 
 def config_from(args: argparse.Namespace):
