@@ -205,7 +205,6 @@ class StepCostRatio:
     def __init__(self, weight: float = 0.1):
         self.weight = weight
         self.ratio: dict[tuple[bool, int], float] = {}
-        self.seen: Counter = Counter()
         self.skipped: set[bool] = set()
 
     @staticmethod
@@ -221,7 +220,6 @@ class StepCostRatio:
         r = min(max(measured / max(modelled, 1e-12), 0.01), 100.0)  # one wild reading cannot dominate
         old = self.ratio.get(key)
         self.ratio[key] = r if old is None else (1 - self.weight) * old + self.weight * r
-        self.seen[key] += 1
 
     def __call__(self, tree: bool, rows: int = 1) -> float:
         b = self.bucket(rows)
