@@ -416,6 +416,26 @@ def test_new_requests_start_from_the_drafters_pooled_acceptance():
     assert policy.new_row(None).prior == pytest.approx(0.1, abs=0.02)
 
 
+def test_a_stalled_step_does_not_leave_one_kind_looking_cheap():
+    """One plain step that stalled (50x the curve) once left the plain ratio x2 while only
+    tree steps followed: trees looked cheaper than plain steps and a 16-row batch drafted
+    on every step. Readings are clipped, the other kind follows the machine, and a tree
+    step is never priced below a plain one."""
+    policy = AdaptivePolicy(LINEAR)
+    ratio = policy.step_ratio
+    for _ in range(40):
+        policy.observe_step(False, 16, 16, 0, LINEAR(16))
+        policy.observe_step(True, 16, 32, 0, LINEAR(32))
+    policy.observe_step(False, 16, 16, 0, 50 * LINEAR(16))
+    assert ratio(False, 16) < 1.1
+    for _ in range(40):
+        policy.observe_step(True, 16, 32, 0, 0.5 * LINEAR(32))  # the machine gets quieter
+    assert ratio(True, 16) == pytest.approx(0.5, rel=0.05)
+    assert ratio(False, 16) < 0.8  # followed, though no plain step was seen
+    seconds = policy.seconds(16, 0)
+    assert seconds(1) >= seconds(0)
+
+
 def test_an_unseen_step_kind_takes_the_seen_kinds_ratio():
     """Steps far cheaper than a (synthetic) curve must not make the kind not yet seen look
     dear: until both kinds are measured, the curve's own relation stands."""

@@ -6,7 +6,7 @@ Three parts, all plain objects the engine takes (tests pass synthetic ones):
   (the packed tree is padded to its longest row, and every padded slot is computed), plus an
   attention term growing with the cached width. Measured once per target / dtype / device /
   threads with the ``bench --verify-cost`` code (and at a few batch sizes) and cached on disk
-  (``costmodel.load_cost_model``). ``StepCostRatio`` corrects it on line: per step kind
+  (``costmodel.load_cost_model``). ``steptime.StepCostRatio`` corrects it on line: per step kind
   (plain, tree) and batch size, measured step seconds over the curve's, so the overheads of
   tree steps (packing, masks, acceptance) and a machine busier than when the curve was
   measured are paid for.
@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .costmodel import CostModel
+from .steptime import DraftTimer, StepCostRatio
 
 PRIOR_STRENGTH = 2.0  # pseudo-trials of the Beta prior per depth
 # A new request's prior: the drafter's pooled depth-1 evidence so far (this decay per drafted
@@ -158,90 +159,6 @@ def chain_gains(values: list[float]) -> list[float]:
     return list(accumulate(accumulate(values, operator.mul), initial=0.0))
 
 
-class DraftTimer:
-    """Seconds a drafter call takes, by the depth it was allowed: an EWMA per depth.
-
-    The first call is not recorded: it pays one-time costs (allocations, kernel selection;
-    the shipped ReDrafter head: 13-19 ms against ~4.3 ms for every later call), and a depth
-    the policy then stops asking for would keep that reading for good."""
-
-    def __init__(self, weight: float = 0.2):
-        self.weight, self.seconds = weight, {}
-        self.calls = 0
-
-    def record(self, depth: int, seconds: float) -> None:
-        self.calls += 1
-        if self.calls == 1:
-            return
-        old = self.seconds.get(depth)
-        self.seconds[depth] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
-
-    def __call__(self, depth: int) -> float:
-        """Estimate for ``depth`` (0: no call). Unseen depths scale the nearest seen one."""
-        if depth <= 0 or not self.seconds:
-            return 0.0
-        near = min(self.seconds, key=lambda d: (abs(d - depth), d))
-        return self.seconds[near] * max(1.0, depth / near)
-
-
-class StepCostRatio:
-    """What steps really cost against the cost model, learnt on line: per step kind (plain
-    one-token steps, tree steps) and batch size (rows, in power-of-two buckets) an EWMA of
-    wall seconds (drafting excluded) over the cost model's forward. The offline curve times
-    bare forwards on a quiet machine; a real step also packs the tree, builds masks, accepts
-    and commits, and those costs grow with the tree and the batch (on the 2-core EPYC, 4 rows
-    of lookup trees cost ~50 ms a step more than the curve said, enough to make drafting lose
-    at batch 4), and a busier machine scales both. A ratio multiplies (never makes a cost
-    negative).
-
-    Per batch size because the policy compares the kinds at one batch size (one ratio per
-    kind once made 16-row trees look cheap: docs/engine.md, "Step-cost ratios").
-
-    Unseen keys: a size seen for the other kind only takes that kind's ratio times the
-    tree / plain relation of the nearest size where both were seen (1 if none: the curve's
-    own relation stands); an unseen size takes the nearest seen size's figures. The first
-    step of each kind is not recorded (one-time costs, as ``DraftTimer``)."""
-
-    def __init__(self, weight: float = 0.1):
-        self.weight = weight
-        self.ratio: dict[tuple[bool, int], float] = {}
-        self.skipped: set[bool] = set()
-
-    @staticmethod
-    def bucket(rows: int) -> int:
-        """1, 2, 4, 8, ...: the smallest power of two >= rows."""
-        return 1 << max(int(rows) - 1, 0).bit_length()
-
-    def record(self, tree: bool, rows: int, measured: float, modelled: float) -> None:
-        if tree not in self.skipped:
-            self.skipped.add(tree)
-            return
-        key = (tree, self.bucket(rows))
-        r = min(max(measured / max(modelled, 1e-12), 0.01), 100.0)  # one wild reading cannot dominate
-        old = self.ratio.get(key)
-        self.ratio[key] = r if old is None else (1 - self.weight) * old + self.weight * r
-
-    def __call__(self, tree: bool, rows: int = 1) -> float:
-        b = self.bucket(rows)
-        if (tree, b) in self.ratio:
-            return self.ratio[(tree, b)]
-        if (not tree, b) in self.ratio:
-            return self.ratio[(not tree, b)] * self._relation(tree, b)
-        sizes = {size for _, size in self.ratio}
-        if not sizes:
-            return 1.0
-        near = min(sizes, key=lambda size: (abs(size.bit_length() - b.bit_length()), size))
-        return self(tree, near)
-
-    def _relation(self, tree: bool, b: int) -> float:
-        """ratio(tree) / ratio(not tree) at the nearest size where both kinds were seen (1: none)."""
-        both = [size for (kind, size) in self.ratio if kind and (False, size) in self.ratio]
-        if not both:
-            return 1.0
-        near = min(both, key=lambda size: (abs(size.bit_length() - b.bit_length()), size))
-        return self.ratio[(tree, near)] / self.ratio[(not tree, near)]
-
-
 # ---- the policy --------------------------------------------------------------------------
 
 
@@ -277,7 +194,10 @@ class AdaptivePolicy:
         timer's estimate for the depth the step would draft."""
         def step(n: int) -> float:
             draft = drafted if drafted is not None else self.draft_time(draft_depth or (n and n + SLACK))
-            return self.cost(rows * (1 + n), width, rows) * self.step_ratio(n > 0, rows) + draft
+            forward = self.cost(rows * (1 + n), width, rows) * self.step_ratio(n > 0, rows)
+            if n:  # a tree step is never cheaper than a plain one (the ratios are estimates)
+                forward = max(forward, self.cost(rows, width, rows) * self.step_ratio(False, rows))
+            return forward + draft
         return step
 
     def observe_step(self, tree: bool, rows: int, tokens: int, width: int, seconds: float) -> None:

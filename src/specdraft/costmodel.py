@@ -179,19 +179,14 @@ def measure_cost_model(target, tokens=COST_TOKENS, prefix: int = COST_PREFIX, tr
 
 def measure_batches(target, prefix: int, trials: int, rows=BATCH_ROWS, tokens=BATCH_TOKENS) -> dict:
     """The batch curves: medians of ``trials`` forwards of B rows x N chain tokens, taken in
-    rounds over every (B, N) as ``measure_verify_cost`` does (a slow spell spreads over all)."""
+    rounds over every (B, N) (``timing.time_in_rounds``)."""
     import statistics
 
-    from .timing import prefill, time_forward
+    from .timing import prefill, time_in_rounds
 
     tokens = [n for n in tokens if prefix + n <= target.max_context]
     caches = {B: prefill(target, prefix, prefix + max(tokens) + 8, rows=B) for B in rows}
-    times = {(B, n): [] for B in rows for n in tokens}
-    for B, n in times:
-        time_forward(target, caches[B], n, prefix, 0, 1)  # warm-up
-    for _ in range(trials):
-        for B, n in times:
-            times[(B, n)] += time_forward(target, caches[B], n, prefix, 1, 0)
+    times = time_in_rounds(target, {(B, n): (caches[B], n) for B in rows for n in tokens}, prefix, trials, 1)
     return {"batch_tokens": tokens,
             "batch": {B: [statistics.median(times[(B, n)]) for n in tokens] for B in rows}}
 

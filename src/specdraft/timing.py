@@ -62,11 +62,28 @@ def prefill(target: Target, prefix: int, capacity: int, rows: int = 1) -> Compac
     return cache
 
 
+def time_in_rounds(target: Target, shapes: dict, prefix: int, trials: int, warmup: int,
+                   progress: bool = False) -> dict:
+    """key -> seconds of ``trials`` forwards, for shapes {key: (cache, n tokens per row)}.
+
+    Trials go round every shape (not all trials of one shape in a row): a slow spell of the
+    machine then spreads over all shapes instead of inflating one. Seen with trials in a row
+    (3 each): N = 3 read 52.7 ms between 36.8 (N = 2) and ~40 (N = 4), and the adaptive
+    policy, believing a third token cost 16 ms, cut the shipped head's beams to one token."""
+    from tqdm.auto import tqdm
+
+    for cache, n in shapes.values():
+        time_forward(target, cache, n, prefix, 0, warmup)
+    times = {key: [] for key in shapes}
+    for _ in tqdm(range(trials), desc="verify cost", unit="round", disable=not progress):
+        for key, (cache, n) in shapes.items():
+            times[key] += time_forward(target, cache, n, prefix, 1, 0)
+    return times
+
+
 def measure_verify_cost(target: Target, tokens: list[int], prefix: int = 256, trials: int = 10,
                         warmup: int = 2, progress: bool = True) -> list[dict]:
     """One row per N: median / min / max milliseconds and the ratio to N = 1."""
-    from tqdm.auto import tqdm
-
     if not tokens or min(tokens) < 1:
         raise SpecdraftError("--verify-tokens must be integers >= 1")
     if prefix < 1 or prefix + max(tokens) > target.max_context:
@@ -74,16 +91,7 @@ def measure_verify_cost(target: Target, tokens: list[int], prefix: int = 256, tr
                              f"context ({target.max_context})")
     cache = prefill(target, prefix, prefix + max(tokens) + 8)
     sizes = sorted(set(tokens))
-    for n in sizes:
-        time_forward(target, cache, n, prefix, 0, warmup)
-    # Trials go round every N (not all trials of one N in a row): a slow spell of the machine
-    # then spreads over all N instead of inflating one. Seen with trials in a row (3 each):
-    # N = 3 read 52.7 ms between 36.8 (N = 2) and ~40 (N = 4), and the adaptive policy,
-    # believing a third token cost 16 ms, cut the shipped head's beams to one token.
-    times = {n: [] for n in sizes}
-    for _ in tqdm(range(trials), desc="verify cost", unit="round", disable=not progress):
-        for n in sizes:
-            times[n] += time_forward(target, cache, n, prefix, 1, 0)
+    times = time_in_rounds(target, {n: (cache, n) for n in sizes}, prefix, trials, warmup, progress)
     rows = []
     for n in sizes:
         rows.append({"tree_tokens": n, "ms_median": 1000 * statistics.median(times[n]),

@@ -1,0 +1,120 @@
+"""What drafter calls and engine steps really cost, learnt on line (the adaptive policy's clocks).
+
+``costmodel.CostModel`` times bare target forwards once, on a quiet machine. A real step also
+packs the tree, builds masks, accepts and commits, a drafter call has its own cost, and the
+machine may be busier now than when the curve was measured. Two small estimators correct
+for that as steps run:
+
+- ``DraftTimer``: seconds of a drafter call, by the depth it was allowed.
+- ``StepCostRatio``: measured step seconds over the curve's, per step kind (plain, tree)
+  and batch size, factored into a machine level shared by both kinds and a per-kind
+  relation, so a kind the policy stopped choosing still follows the machine.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class DraftTimer:
+    """Seconds a drafter call takes, by the depth it was allowed: an EWMA per depth.
+
+    The first call is not recorded: it pays one-time costs (allocations, kernel selection;
+    the shipped ReDrafter head: 13-19 ms against ~4.3 ms for every later call), and a depth
+    the policy then stops asking for would keep that reading for good."""
+
+    def __init__(self, weight: float = 0.2):
+        self.weight, self.seconds = weight, {}
+        self.calls = 0
+
+    def record(self, depth: int, seconds: float) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            return
+        old = self.seconds.get(depth)
+        self.seconds[depth] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
+
+    def __call__(self, depth: int) -> float:
+        """Estimate for ``depth`` (0: no call). Unseen depths scale the nearest seen one."""
+        if depth <= 0 or not self.seconds:
+            return 0.0
+        near = min(self.seconds, key=lambda d: (abs(d - depth), d))
+        return self.seconds[near] * max(1.0, depth / near)
+
+
+RATIO_RANGE = (0.01, 100.0)  # a reading outside is clamped: one wild reading cannot dominate
+# One reading moves the estimate by at most this factor before weighting: a stall (another
+# process, a page fault) of one step must not outweigh the next twenty normal ones.
+MAX_JUMP = 2.0
+
+
+class StepCostRatio:
+    """Measured step seconds (drafting excluded) over the cost model's forward, per step
+    kind (tree or plain) and batch size (rows, in power-of-two buckets b).
+
+    In logs: ratio(kind, b) = level[b] + relation[kind, b]. A reading of either kind at b
+    moves level[b] (the machine's state at that size: another job slows both kinds) and
+    its own kind's relation (what that kind costs beyond the curve: tree packing, masks,
+    acceptance), each by ``weight / 2`` of the clipped log error, so the reading's own
+    kind moves by ``weight`` and the other kind by half that. Why: the policy compares
+    the kinds at one batch size and, once one kind wins, stops seeing the other. With one
+    independent EWMA per kind, a stall that inflated the plain ratio (x2 in one bench) was
+    never corrected, trees looked cheaper than plain steps, and the batch drafted on every
+    step (docs/engine.md, "Step-cost ratios").
+
+    Per batch size because one ratio per kind once made 16-row trees look cheap (a 4-row
+    batch's tree steps against 16-row plain steps). Unseen keys: a kind never seen at b
+    takes the other kind's ratio times the tree / plain relation of the nearest size where
+    both were seen (1 if none: the curve's own relation stands); an unseen size takes the
+    nearest seen size's figures. The first step of each kind is not recorded (one-time
+    costs, as ``DraftTimer``)."""
+
+    def __init__(self, weight: float = 0.1):
+        self.weight = weight
+        self.level: dict[int, float] = {}  # b -> log level
+        self.relation: dict[tuple[bool, int], float] = {}  # (tree, b) -> log relation
+        self.skipped: set[bool] = set()
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        """1, 2, 4, 8, ...: the smallest power of two >= rows."""
+        return 1 << max(int(rows) - 1, 0).bit_length()
+
+    @property
+    def ratio(self) -> dict[tuple[bool, int], float]:
+        """Every seen (tree, b) -> its current ratio."""
+        return {key: math.exp(self.level[key[1]] + rel) for key, rel in self.relation.items()}
+
+    def record(self, tree: bool, rows: int, measured: float, modelled: float) -> None:
+        if tree not in self.skipped:
+            self.skipped.add(tree)
+            return
+        b, key = self.bucket(rows), (tree, self.bucket(rows))
+        reading = math.log(min(max(measured / max(modelled, 1e-12), RATIO_RANGE[0]), RATIO_RANGE[1]))
+        if key not in self.relation:  # a first reading is taken as it is
+            self.level.setdefault(b, reading)
+            self.relation[key] = reading - self.level[b]
+            return
+        error = reading - (self.level[b] + self.relation[key])
+        error = min(max(error, -math.log(MAX_JUMP)), math.log(MAX_JUMP))
+        self.level[b] += self.weight / 2 * error
+        self.relation[key] += self.weight / 2 * error
+
+    def __call__(self, tree: bool, rows: int = 1) -> float:
+        b = self.bucket(rows)
+        if (tree, b) in self.relation:
+            return math.exp(self.level[b] + self.relation[(tree, b)])
+        if (not tree, b) in self.relation:
+            return self(not tree, b) * self._relation(tree, b)
+        if not self.level:
+            return 1.0
+        near = min(self.level, key=lambda size: (abs(size.bit_length() - b.bit_length()), size))
+        return self(tree, near)
+
+    def _relation(self, tree: bool, b: int) -> float:
+        """ratio(tree) / ratio(not tree) at the nearest size where both kinds were seen (1: none)."""
+        both = [size for (kind, size) in self.relation if kind and (False, size) in self.relation]
+        if not both:
+            return 1.0
+        near = min(both, key=lambda size: (abs(size.bit_length() - b.bit_length()), size))
+        return math.exp(self.relation[(tree, near)] - self.relation[(not tree, near)])
