@@ -15,7 +15,7 @@ import torch
 
 import test_sampling_exact as exact
 from drafters_for_tests import RandomBeamsDrafter
-from specdraft.adaptive import (EXPLORE_SHARE, LOOK_MAX_ROWS, LOOK_PAUSE, LOOK_SHARE, LOOK_TRIAL, SLACK, AdaptivePolicy,
+from specdraft.adaptive import (EXPLORE_SHARE, PROBE_START, LOOK_MAX_ROWS, LOOK_PAUSE, LOOK_SHARE, LOOK_TRIAL, SLACK, AdaptivePolicy,
                                 RowStats, best_size, children_confidence)
 from specdraft.costmodel import CostModel, cost_model_key, cost_model_path, load_cost_model
 from specdraft.drafters import LookupDrafter, NoDrafter
@@ -448,18 +448,36 @@ def test_an_unseen_step_kind_takes_the_seen_kinds_ratio():
 def test_a_row_with_nothing_to_draft_does_not_keep_the_batch_probing():
     """A probe step asks every row's drafter; a row that had nothing to offer (no lookup
     match) has had its probe too, or it would stay due and force a tree on every step."""
-    policy = AdaptivePolicy(STEEP)  # drafting never pays: only probes draft
+    policy = AdaptivePolicy(LINEAR)  # at 0.05 drafting does not pay: only probes draft
     stats, budget = [stats_with([0.05] * 8), stats_with([0.05] * 8)], torch.tensor([5, 5])
     steps = 0
-    while policy.plan(stats, budget, 0) == 0:  # off until a probe is due and paid for
+    while policy.plan(stats, budget, 0) == 0 and steps < 1000:  # off until a probe is due and paid for
         policy.observe(stats, [0, 0], [0, 0], None, off=True)
-        policy.observe_step(False, 2, 2, 0, STEEP(2))  # a plain step of the two rows earns probe credit
+        policy.observe_step(False, 2, 2, 0, LINEAR(2))  # a plain step of the two rows earns probe credit
         steps += 1
-    # Due after 8 steps off; paid once 3% of the steps cover the probe's extra STEEP(4) - STEEP(2).
-    assert policy.probing and steps == math.ceil((STEEP(4) - STEEP(2)) / (EXPLORE_SHARE * STEEP(2)))
+    # Due after 8 steps off; paid once 3% of the steps cover the probe's extra LINEAR(4) - LINEAR(2).
+    assert policy.probing and steps == max(PROBE_START, math.ceil((LINEAR(4) - LINEAR(2)) / (EXPLORE_SHARE * LINEAR(2))))
     policy.observe(stats, [1, 0], [0, 0], None, off=False)  # row 0 drafted and missed, row 1 had nothing
     assert not any(s.probe_due for s in stats)
     assert policy.plan(stats, budget, 0) == 0
+
+
+@pytest.mark.parametrize("case", ["dear", "rarely-offered"])
+def test_no_probes_where_no_plausible_rate_could_pay(case):
+    """A probe pads every row's tree; it is paid for only where a rate it could find
+    (PLAUSIBLE_RATE) would turn drafting on: not when every token costs a full forward, and
+    not for rows the drafter rarely drafts for (lookup at batch 4)."""
+    cost = STEEP if case == "dear" else LINEAR
+    policy = AdaptivePolicy(cost)
+    stats, budget = [stats_with([0.05] * 8) for _ in range(4)], torch.tensor([5] * 4)
+    if case == "rarely-offered":
+        for _ in range(60):
+            policy.observe_offers(stats, [False] * 4)
+    for _ in range(200):
+        assert policy.plan(stats, budget, 0) == 0
+        policy.observe(stats, [0] * 4, [0] * 4, None, off=True)
+        policy.observe_step(False, 4, 4, 0, cost(4))
+    assert all(s.probe_due for s in stats) and not policy.probing
 
 
 def test_a_cheap_confident_drafter_is_asked_where_its_rates_say_off():

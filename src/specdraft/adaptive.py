@@ -63,6 +63,7 @@ PROBE_START, PROBE_MAX = 8, 128  # steps off before a probe; doubles after a fai
 # are paid from a credit of this share of the decode time instead, and all due rows probe
 # together.
 EXPLORE_SHARE = 0.03
+PLAUSIBLE_RATE = 0.9  # the best rate a probe may find (lookup on repeated text); see probe_could_pay
 # A drafter whose proposals carry confidences and whose call costs at most this share of a
 # plain step may be asked even where the rates say drafting does not pay ("a look"):
 # ``choose`` then keeps only the candidates its calibrated confidences find worth verifying
@@ -228,7 +229,7 @@ class AdaptivePolicy:
                 self.look_is_cheap(seconds, depth):
             self.looking = True
             return depth
-        self.probing = n == 0 and self.afford_probe(stats, seconds)
+        self.probing = n == 0 and self.probe_could_pay(stats, counts, seconds) and self.afford_probe(stats, seconds)
         return 1 if self.probing else n
 
     def look_is_cheap(self, seconds, depth: int) -> bool:
@@ -252,6 +253,17 @@ class AdaptivePolicy:
             if s.look_count >= LOOK_TRIAL:
                 s.look_pause = LOOK_PAUSE if s.look_saved < 0 else 0
                 s.look_saved, s.look_count = 0.0, 0
+
+    @staticmethod
+    def probe_could_pay(stats: list[RowStats], counts: list[int], seconds) -> bool:
+        """Whether drafting would pay were every due row's rates at PLAUSIBLE_RATE (still
+        weighed by its offer rate): a probe can only find out what could change the plan.
+        At 4 rows, lookup's rows (offered on ~1 call in 5) never could, and their probes
+        cost ~3% of the time (a probe pads every row's tree)."""
+        depth = max(counts, default=0)
+        gains = [[g * s.offer_rate for g in chain_gains([PLAUSIBLE_RATE] * depth if s.probe_due else s.rates(depth))]
+                 for s in stats]
+        return best_size(gains, counts, seconds) > 0
 
     def afford_probe(self, stats: list[RowStats], seconds) -> bool:
         """Whether some row is due for a probe and the credit pays for what it adds to this
