@@ -84,8 +84,14 @@ LOOK_TRIAL, LOOK_PAUSE = 8, 32
 # (cost(32) is ~1.6x cost(16) and its values were optimistic there) and the head fell to
 # 0.76x plain decoding. Until choose is calibrated for large padded trees, one row only.
 LOOK_MAX_ROWS = 1
-SLACK = 1  # drafters may draft this much deeper than planned: confidences may justify it
 MAX_DEPTH = 16
+SLACK = 1  # drafters may draft this much deeper than planned: confidences may justify it ...
+
+
+def slack(rows: int) -> int:
+    """... in batches that may look (one row): at 4 rows the shipped head, asked for one more
+    token than planned on every step, ran at 0.94x its fixed shape (2026-11-26 bench)."""
+    return SLACK if rows <= LOOK_MAX_ROWS else 0
 
 
 # ---- per-request acceptance evidence -----------------------------------------------------
@@ -193,12 +199,13 @@ class AdaptivePolicy:
         """n -> seconds of a step whose longest row verifies 1 + n tokens. Drafting: the
         ``drafted`` seconds already spent this step (the same for every n), else the
         timer's estimate for the depth the step would draft."""
+        plain = self.cost(rows, width, rows) * self.step_ratio(False, rows)
+        tree = self.step_ratio(True, rows)
+
         def step(n: int) -> float:
-            draft = drafted if drafted is not None else self.draft_time(draft_depth or (n and n + SLACK))
-            forward = self.cost(rows * (1 + n), width, rows) * self.step_ratio(n > 0, rows)
-            if n:  # a tree step is never cheaper than a plain one (the ratios are estimates)
-                forward = max(forward, self.cost(rows, width, rows) * self.step_ratio(False, rows))
-            return forward + draft
+            draft = drafted if drafted is not None else self.draft_time(draft_depth or (n and n + slack(rows)))
+            # a tree step is never cheaper than a plain one (the ratios are estimates)
+            return (max(self.cost(rows * (1 + n), width, rows) * tree, plain) if n else plain) + draft
         return step
 
     def observe_step(self, tree: bool, rows: int, tokens: int, width: int, seconds: float) -> None:
@@ -229,7 +236,7 @@ class AdaptivePolicy:
                 self.look_is_cheap(seconds, depth):
             self.looking = True
             return depth
-        self.probing = n == 0 and self.probe_could_pay(stats, counts, seconds) and self.afford_probe(stats, seconds)
+        self.probing = n == 0 and self.afford_probe(stats, counts, seconds)
         return 1 if self.probing else n
 
     def look_is_cheap(self, seconds, depth: int) -> bool:
@@ -265,14 +272,15 @@ class AdaptivePolicy:
                  for s in stats]
         return best_size(gains, counts, seconds) > 0
 
-    def afford_probe(self, stats: list[RowStats], seconds) -> bool:
-        """Whether some row is due for a probe and the credit pays for what it adds to this
-        step (seconds(1) - seconds(0): the padded tree and the drafter call); if so, spend it."""
+    def afford_probe(self, stats: list[RowStats], counts: list[int], seconds) -> bool:
+        """Whether some row is due for a probe, the credit pays for what it adds to this step
+        (seconds(1) - seconds(0): the padded tree and the drafter call) and the probe could
+        change the plan (``probe_could_pay``); if so, spend the credit."""
         if not any(s.probe_due for s in stats):
             return False
         extra = max(seconds(1) - seconds(0), 0.0)
         self.probe_credit = min(self.probe_credit, 2 * extra)  # no burst after a long quiet stretch
-        if self.probe_credit < extra:
+        if self.probe_credit < extra or not self.probe_could_pay(stats, counts, seconds):
             return False
         self.probe_credit -= extra
         return True

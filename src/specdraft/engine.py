@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 
 from .acceptance import Acceptance, accept_chain_sampling, accept_greedy, accept_tree_sampling
-from .adaptive import SLACK, AdaptivePolicy, children_confidence
+from .adaptive import AdaptivePolicy, children_confidence, slack
 from .cache import CompactCache
 from .drafters.base import DraftContext, Drafter, Proposal
 from .errors import SpecdraftError
@@ -161,7 +161,7 @@ class SpeculativeEngine:
             depth = self.policy.plan(stats, ctx.budget, cache.width)
             if depth == 0:
                 return self._plain_step(batch, proposed=False, started=step_start)
-            ctx = replace(ctx, budget=ctx.budget.clamp(max=depth + 1 + SLACK))
+            ctx = replace(ctx, budget=ctx.budget.clamp(max=depth + 1 + slack(len(stats))))
         with timer("draft"):
             started = time.perf_counter()
             proposal = self._clip(self.drafter.propose(ctx), ctx.budget)
@@ -219,7 +219,7 @@ class SpeculativeEngine:
                seconds: float) -> Proposal:
         """Cut the proposal to what the policy finds worth verifying (valid mask only)."""
         stats = [r.adapt for r in batch.rows]
-        self.policy.draft_time.record(depth + SLACK, seconds)
+        self.policy.draft_time.record(depth + slack(len(stats)), seconds)
         self.policy.observe_offers(stats, proposal.valid[:, :, 1:].any(dim=2).any(dim=1).tolist())
         # Sampled drafts (q) must not be cut by their own drawn tokens' confidences.
         use_conf = ctx.greedy | (proposal.q is None)
