@@ -436,6 +436,29 @@ def test_a_stalled_step_does_not_leave_one_kind_looking_cheap():
     assert seconds(1) >= seconds(0)
 
 
+def test_a_row_off_after_a_bad_spell_returns_to_the_pooled_rate():
+    """A row whose rates dipped below break-even gets no evidence while off; its evidence
+    ages on steps off too, towards the drafter's pooled rate, so where that rate pays the
+    row drafts again long before a probe would have told it (at 4 rows the head sat off on
+    39% of row-steps where drafting on every step gained)."""
+    policy = AdaptivePolicy(LINEAR, prior=0.5)
+    policy.pool_hits, policy.pool_trials = 120.0, 200.0  # pooled depth-1 rate 0.6 (~200 row-steps): pays
+    stats, budget = [policy.new_row(None) for _ in range(4)], torch.tensor([3] * 4)
+    assert policy.plan(stats, budget, 0) > 0
+    for _ in range(10):  # a bad spell: every draft rejected
+        policy.observe(stats, [2] * 4, [0] * 4, None, off=False)
+    steps = 0
+    while policy.plan(stats, budget, 0) == 0 and steps < 200:  # no step times: no probe credit
+        policy.observe(stats, [0] * 4, [0] * 4, None, off=True)
+        steps += 1
+    assert 0 < steps < 60 and not policy.probing  # back by the aged rates (~40 steps at DECAY 0.95)
+    never = AdaptivePolicy(LINEAR, prior=0.05)  # a drafter whose pooled rate does not pay stays off
+    stats = [never.new_row(None) for _ in range(4)]
+    for _ in range(100):
+        assert never.plan(stats, budget, 0) == 0 or never.probing
+        never.observe(stats, [0] * 4, [0] * 4, None, off=True)
+
+
 def test_an_unseen_step_kind_takes_the_seen_kinds_ratio():
     """Steps far cheaper than a (synthetic) curve must not make the kind not yet seen look
     dear: until both kinds are measured, the curve's own relation stands."""
