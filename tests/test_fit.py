@@ -180,9 +180,14 @@ def answers(tiny_target, data, tmp_path) -> Path:
     return tmp_path / "answers.jsonl"
 
 
-def test_fit_end_to_end_then_exact_and_walk_is_engine_tau(tiny_target_path, tiny_target, data, answers, tmp_path):
+@pytest.mark.parametrize("context", [0, 3], ids=["paper", "context"])
+def test_fit_end_to_end_then_exact_and_walk_is_engine_tau(tiny_target_path, tiny_target, data, answers, tmp_path,
+                                                          context):
+    """With --context, the walk agreeing with the engine also shows that the corpus's
+    context windows are the ones the engine keeps (``specdraft.recent``)."""
     out = tmp_path / "run"
-    assert fit(tiny_target_path, data, out, "--heldout-data", str(answers), "--epochs", "20", "--lr", "1e-2") == 0
+    assert fit(tiny_target_path, data, out, "--heldout-data", str(answers), "--epochs", "20", "--lr", "1e-2",
+               "--context", str(context)) == 0
     vocab = json.loads((out / "vocab.json").read_text())
     assert len(vocab["ids"]) == 10 and 0 < vocab["heldout_coverage"] <= 1
     curve = [json.loads(line) for line in (out / "curve.jsonl").read_text().splitlines()]
@@ -201,7 +206,8 @@ def test_fit_end_to_end_then_exact_and_walk_is_engine_tau(tiny_target_path, tiny
     tokens = sum(len(r["response_ids"]) for r in records)
     from specdraft.train.fit import CorpusEvaluator
     from specdraft.train.heads import HeadObjective
-    found = CorpusEvaluator(Corpus(out / "heldout-corpus"), head.draft_vocab, 3, tiny_target.device)(
+    assert head.config.context == context
+    found = CorpusEvaluator(Corpus(out / "heldout-corpus"), head.draft_vocab, 3, tiny_target.device, window=context)(
         HeadObjective(head.float(), 3))
     assert found["eval_tau_w1_l4"] > 1.2  # the check has teeth
     for L in (2, 3, 4):
@@ -256,6 +262,8 @@ def test_a_rerun_after_training_began_does_not_extend_the_corpus(tiny_target_pat
     (["--tokens", "lots"], "--tokens must be a count"),
     (["--draft-vocab", "-1"], "draft-vocab"),
     (["--heldout-data", "/nonexistent.jsonl"], "not found"),
+    (["--context", "-1"], "--context must be >= 0"),
+    (["--drafter", "medusa", "--context", "4"], "redrafter option"),
 ])
 def test_bad_fit_options_are_one_line_errors(tiny_target_path, data, tmp_path, capsys, argv, message):
     assert fit(tiny_target_path, data, tmp_path / "x", *argv) == 2

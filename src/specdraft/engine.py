@@ -22,6 +22,7 @@ from .cache import CompactCache
 from .drafters.base import DraftContext, Drafter, Proposal
 from .errors import SpecdraftError
 from .models import Target
+from .recent import RecentStates
 from .rows import STAGES, Batch, GenerationResult, Row, StageTimer, StepEvent  # noqa: F401 (STAGES: re-exported)
 from .sampling import SamplingParams, make_generator, sample, target_probs
 from .textstream import TextStream
@@ -69,6 +70,7 @@ class SpeculativeEngine:
         if max_tree_tokens == "auto":
             max_tree_tokens = 8 if target.device.type == "cpu" and policy is None else None
         self.max_tree_tokens = max_tree_tokens
+        self.window = int(getattr(drafter, "context_window", 0))  # recent states the drafter reads (0: none)
 
     # ---- public API -------------------------------------------------------------------
 
@@ -120,12 +122,15 @@ class SpeculativeEngine:
         if not batch.rows:
             self.drafter.start(new.ctx)
             batch.rows, batch.cache, batch.hidden, batch.ctx = new.rows, new.cache, new.hidden, new.ctx
+            batch.recent = new.recent
         else:
             batch.cache.extend(new.cache)
             batch.rows = batch.rows + new.rows
             batch.hidden = torch.cat([batch.hidden, new.hidden])
+            if batch.recent is not None:
+                batch.recent.extend(new.recent)
             self.drafter.add_rows(new.ctx)
-            batch.ctx = self._context(batch.rows, batch.hidden)
+            batch.ctx = self._context(batch)
         for stage, secs in new.timer.seconds.items():
             batch.timer.seconds[stage] += secs
         return events
@@ -140,13 +145,17 @@ class SpeculativeEngine:
                        self.target.max_context) + 64
         batch = Batch(rows=rows, cache=None, hidden=None, ctx=None, timer=StageTimer(device))
         with batch.timer("prefill"):
-            batch.hidden, batch.cache = self._prefill(rows, capacity)
+            tail, batch.cache = self._prefill(rows, capacity)
+            batch.hidden = tail[:, -1]
+            if self.window:
+                counts = torch.tensor([min(2, len(r.prompt)) for r in rows], device=device)
+                batch.recent = RecentStates.start(tail, counts, self.window)
             first = self._choose(rows, self.target.logits(batch.hidden))
         for row in rows:
             row.steps += 1
             row.hist[1] += 1
         events = self._append(batch, [[t] for t in first.tolist()])
-        batch.ctx = self._context(rows, batch.hidden)
+        batch.ctx = self._context(batch)
         return batch, events
 
     def step(self, batch: Batch) -> list[StepEvent]:
@@ -184,6 +193,9 @@ class SpeculativeEngine:
             path_tokens = tree.tokens.gather(1, acc.path)
             self.drafter.observe(ctx, path_tokens, acc.n)
             batch.hidden = tree_hidden[torch.arange(len(batch.rows), device=tree_hidden.device), acc.last]
+            if batch.recent is not None:  # every accepted token's state, g0's first
+                batch.recent.push(tree_hidden.gather(1, acc.path[:, :, None].expand(-1, -1, tree_hidden.shape[-1])),
+                                  acc.n)
             # Drafted depth offered per row: the longest valid beam, g0 not counted.
             offered = (proposal.valid.any(dim=1).sum(dim=-1) - 1).tolist()
             if stats is not None:
@@ -200,7 +212,7 @@ class SpeculativeEngine:
                 row.tree_tokens += size
                 gained.append(path[1:n] + [nxt])
             events = self._append(batch, gained)
-            batch.ctx = self._context(batch.rows, batch.hidden)
+            batch.ctx = self._context(batch)
             self._drop_finished(batch)
         if stats is not None:
             self.policy.observe_step(True, len(stats), tree.tokens.numel(), width, time.perf_counter() - step_start - drafting)
@@ -257,6 +269,8 @@ class SpeculativeEngine:
             if proposed:
                 self.drafter.observe(batch.ctx, g0, ones)
             batch.hidden = hidden
+            if batch.recent is not None:
+                batch.recent.push(hidden[:, None], ones)
             if self.policy is not None:
                 self.policy.observe([r.adapt for r in rows], [0] * B, [0] * B, None, off=not proposed)
             for row in rows:
@@ -265,7 +279,7 @@ class SpeculativeEngine:
                 row.drafted[0] += 1
                 row.tree_tokens += 1
             events = self._append(batch, [[t] for t in chosen.tolist()])
-            batch.ctx = self._context(batch.rows, batch.hidden)
+            batch.ctx = self._context(batch)
             self._drop_finished(batch)
         if self.policy is not None and started is not None:
             self.policy.observe_step(False, B, B, width, time.perf_counter() - started)
@@ -295,8 +309,9 @@ class SpeculativeEngine:
         return rows
 
     def _prefill(self, rows: list[Row], capacity: int) -> tuple[torch.Tensor, CompactCache]:
-        """Run the prompts; return (B, d) hidden states at each prompt's end and the cache
-        holding them (rows in ``rows`` order, ``capacity`` slots).
+        """Run the prompts; return (B, 2, d) hidden states at each prompt's last two tokens
+        (the last one's logits choose the first token; a one-token prompt repeats it) and
+        the cache holding them (rows in ``rows`` order, ``capacity`` slots).
 
         Prompts of very different lengths are run in groups of similar length (see
         ``prefill_groups``): one padded pass would cost max length x B tokens."""
@@ -318,8 +333,8 @@ class SpeculativeEngine:
         return torch.cat(hidden)[back], cache
 
     def _prefill_padded(self, rows: list[Row], cache: CompactCache) -> torch.Tensor:
-        """Run the right-padded prompts in one pass; return (B, d) hidden states at each
-        prompt's end."""
+        """Run the right-padded prompts in one pass; return (B, 2, d) hidden states at each
+        prompt's last two tokens."""
         device = self.target.device
         lengths = torch.tensor([len(r.prompt) for r in rows], device=device)
         P = int(lengths.max())
@@ -333,7 +348,8 @@ class SpeculativeEngine:
         mask = (causal & real[:, None, :]) | (torch.eye(P, dtype=torch.bool, device=device) & ~real[:, :, None])
         hidden = self.target.forward(tokens, pos[None].expand(len(rows), -1), mask[:, None], cache)
         cache.commit(pos[None].expand(len(rows), -1), lengths)
-        return hidden[torch.arange(len(rows), device=device), lengths - 1]
+        last = (lengths[:, None] + torch.arange(-2, 0, device=device)).clamp(min=0)
+        return hidden[torch.arange(len(rows), device=device)[:, None], last]
 
     def _choose(self, rows: list[Row], logits: torch.Tensor) -> torch.Tensor:
         """The target's own token from logits (B, V): argmax or a sample from p."""
@@ -351,8 +367,8 @@ class SpeculativeEngine:
                 torch.tensor([r.params.top_k for r in rows], device=device),
                 torch.tensor([r.params.top_p for r in rows], device=device))
 
-    def _context(self, rows: list[Row], hidden: torch.Tensor) -> DraftContext:
-        device = self.target.device
+    def _context(self, batch: Batch) -> DraftContext:
+        rows, device = batch.rows, self.target.device
         # A beam may hold no more tokens than the row may still generate or fit in its
         # context, nor more than its share of the step's tree-token cap.
         share = max(1, self.max_tree_tokens // max(len(rows), 1)) if self.max_tree_tokens else 1 << 30
@@ -361,7 +377,8 @@ class SpeculativeEngine:
         return DraftContext(
             tokens=[torch.tensor(r.prompt + r.generated, device=device) for r in rows],
             g0=torch.tensor([r.generated[-1] if r.generated else 0 for r in rows], device=device),
-            hidden=hidden,
+            hidden=batch.hidden,
+            recent=batch.recent,
             budget=torch.tensor(budget, device=device).clamp(min=1),
             greedy=torch.tensor([r.params.greedy for r in rows], device=device),
             request_ids=[r.request_id for r in rows],
@@ -412,4 +429,6 @@ class SpeculativeEngine:
             self.drafter.select_rows(keep)
         batch.rows = [batch.rows[i] for i in alive]
         batch.hidden = batch.hidden[keep]
-        batch.ctx = self._context(batch.rows, batch.hidden)
+        if batch.recent is not None:
+            batch.recent.select(keep)
+        batch.ctx = self._context(batch)

@@ -14,6 +14,7 @@ import torch
 
 from .cache import CompactCache
 from .drafters.base import DraftContext
+from .recent import RecentStates
 from .sampling import SamplingParams
 
 STAGES = ("prefill", "draft", "verify", "accept", "update")
@@ -152,13 +153,15 @@ class Row:
 @dataclass
 class Batch:
     """Requests in flight together: their rows, KV cache, last hidden states (B, d), the
-    drafter's context for the next step, and the stage timer they share."""
+    drafter's context for the next step, the stage timer they share, and, for drafters
+    that look back, each row's latest states (``specdraft.recent``)."""
 
     rows: list[Row]
     cache: CompactCache | None
     hidden: torch.Tensor | None
     ctx: DraftContext | None
     timer: StageTimer
+    recent: RecentStates | None = None
 
     @property
     def request_ids(self) -> list[int]:

@@ -101,6 +101,9 @@ def add_head_options(p) -> None:
                         "(default: %(default)s)")
     g.add_argument("--num-blocks", type=int, metavar="N",
                    help="residual blocks (default: 2 for redrafter, as the paper; 1 per Medusa head)")
+    g.add_argument("--context", type=int, default=0, metavar="C",
+                   help="redrafter, beyond the paper: context attention over the last C target states of the "
+                        "answer, EAGLE-like (0: the paper's head) (default: %(default)s)")
     g.add_argument("--init-from", metavar="PATH", help="start from this checkpoint's weights ('default': the drafter of "
                    "this kind shipped for the default target); a head's draft vocabulary rows are taken from a "
                    "full-vocabulary head")
@@ -114,7 +117,7 @@ def config_from(args: argparse.Namespace):
                        tokens=parse_count(args.tokens) if args.tokens else None,
                        budget_seconds=parse_duration(args.budget) if args.budget else None,
                        extract_share=args.extract_share, heldout_prompts=args.heldout_prompts,
-                       draft_vocab=args.draft_vocab, head=args.head, labels=args.labels, K=args.future_tokens, num_blocks=args.num_blocks if args.num_blocks is not None else (2 if args.drafter == "redrafter" else 1),
+                       draft_vocab=args.draft_vocab, head=args.head, labels=args.labels, K=args.future_tokens, context=args.context, num_blocks=args.num_blocks if args.num_blocks is not None else (2 if args.drafter == "redrafter" else 1),
                        epochs=args.epochs, max_steps=args.max_steps, batch_positions=args.batch_positions,
                        lr=args.lr if args.lr is not None else DEFAULT_LR[args.drafter], warmup=args.warmup,
                        loss=args.loss, copy_layers=args.copy_layers, gamma=args.gamma,

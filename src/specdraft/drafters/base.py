@@ -30,6 +30,9 @@ class DraftContext:
     request_ids: list of B request ids, stable while a request is in flight
     params:  list of B SamplingParams: drafters that sample must draw at the row's
              temperature/top-k/top-p (see sampling.target_probs) and report q
+    recent:  for drafters with ``context_window`` > 0, each row's latest target states
+             (``specdraft.recent.RecentStates``: states (B, C, d), hidden[b] in the last
+             slot, paired with tokens[b][-C:]); None otherwise
     """
 
     tokens: list[torch.Tensor]
@@ -39,6 +42,7 @@ class DraftContext:
     greedy: torch.Tensor
     request_ids: list[int] = field(default_factory=list)
     params: list = field(default_factory=list)
+    recent: object | None = None
 
 
 @dataclass
@@ -69,6 +73,9 @@ class Drafter(ABC):
     # Adaptive drafting's prior for P(a drafted token is accepted | its parent was), before
     # a request has evidence of its own (specdraft.adaptive).
     acceptance_prior: float = 0.5
+    # How many of each row's latest target states the drafter reads (DraftContext.recent);
+    # the engine keeps them only when this is > 0.
+    context_window: int = 0
 
     def start(self, ctx: DraftContext) -> None:
         """A new batch was prefilled: ``ctx`` holds all its rows, in order."""

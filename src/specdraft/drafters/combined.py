@@ -28,6 +28,7 @@ class CombinedDrafter(Drafter):
         self.parts = parts
         self.name = "+".join(p.name for p in parts)
         self.acceptance_prior = max(p.acceptance_prior for p in parts)
+        self.context_window = max(p.context_window for p in parts)  # each part reads the slots it needs
 
     def start(self, ctx: DraftContext) -> None:
         for p in self.parts:

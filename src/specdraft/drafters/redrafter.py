@@ -4,7 +4,9 @@ Each step: h (the target's hidden state whose logits chose g0) and g0 go through
 ReDrafter head's beam search; its W beams of L tokens (g0 included, so L - 1 drafted
 tokens) are verified together by the engine's dynamic tree attention. Candidates are
 deterministic (no q): under sampling the engine's recursive rejection keeps the output
-distributed exactly as the target's. The drafter keeps no state between steps.
+distributed exactly as the target's. The drafter keeps no state between steps; a head with
+context attention reads each row's latest target states from the engine (``ctx.recent``)
+and replaces h by a_t before the search.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class ReDrafter(Drafter):
         self.head = head
         fastpath.small_batch_linear(head)  # its few-row linears, like the target's (CPU)
         self.W, self.L = beam_shape(head.config, beam_width, beam_length)
+        self.context_window = head.config.context
 
     @classmethod
     def load(cls, path, target, beam_width: int | None = None, beam_length: int | None = None) -> "ReDrafter":
@@ -51,5 +54,15 @@ class ReDrafter(Drafter):
         # No row may use more than its budget: drafting deeper would only be clipped away.
         L = min(self.L, int(ctx.budget.max()))
         with fastpath.active():
-            result = redrafter_beam_search(self.head, ctx.hidden, ctx.g0, self.W, L)
+            hidden = self.root_states(ctx)
+            result = redrafter_beam_search(self.head, hidden, ctx.g0, self.W, L)
         return Proposal(beams=result.beams, valid=result.valid, confidence=beam_confidence(result))
+
+    def root_states(self, ctx: DraftContext) -> torch.Tensor:
+        """(B, d) what the head starts from: h, or with context attention a_t over the
+        row's latest states paired with the tokens after them (its last C tokens, g0 last)."""
+        if not self.context_window:
+            return ctx.hidden
+        recent, C = ctx.recent, ctx.recent.window
+        after = torch.stack([torch.nn.functional.pad(t[-C:], (C - min(C, len(t)), 0)) for t in ctx.tokens])
+        return self.head.contextualize_recent(ctx.hidden, recent.states, after, recent.lengths)

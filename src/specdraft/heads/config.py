@@ -90,16 +90,28 @@ class HeadConfig:
 
 @dataclass
 class ReDrafterConfig(HeadConfig):
-    """ReDrafter head: num_blocks residual blocks at width 2d (paper: N = 2)."""
+    """ReDrafter head: num_blocks residual blocks at width 2d (paper: N = 2).
+
+    context: C > 0 adds context attention over the last C target states
+    (``heads.context``, beyond the paper); 0 is the paper's head. context_heads: its
+    attention heads (must divide hidden_size)."""
 
     KIND = "redrafter"
 
     num_blocks: int = 2
+    context: int = 0
+    context_heads: int = 1
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.num_blocks, int) or isinstance(self.num_blocks, bool) or self.num_blocks < 0:
-            raise SpecdraftError(f"redrafter config: num_blocks must be an integer >= 0, got {self.num_blocks!r}")
+        for name in ("num_blocks", "context"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise SpecdraftError(f"redrafter config: {name} must be an integer >= 0, got {value!r}")
+        heads = self.context_heads
+        if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1 or self.hidden_size % heads:
+            raise SpecdraftError(f"redrafter config: context_heads must be an integer >= 1 dividing hidden_size "
+                                 f"{self.hidden_size}, got {heads!r}")
 
 
 @dataclass

@@ -21,6 +21,10 @@ ordinary distribution over V that is zero outside the draft vocabulary).
 
 logits_t is the drafter's distribution of x_{t+1}: with x_1 = g0 = the token after the
 last accepted one, logits_1 predicts the token after g0.
+
+Beyond the paper, ``config.context`` = C > 0 replaces h by a_t, context attention over
+the last C target states paired with their next tokens (``heads.context``; a fresh one
+starts as the identity, a_t = h_t): ``contextualize`` computes it, once per step.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from torch.nn import functional as F
 from ..checkpoint import target_signature
 from ..vocab import DraftVocab
 from .config import ReDrafterConfig
+from .context import ContextAttention, right_aligned
 from .io import load_head, save_head
 from .parts import TargetParts
 
@@ -54,7 +59,8 @@ class ReDrafterHead(nn.Module):
     blocks.{l}.linear.weight (2d, 2d), .bias (2d,) for l < N;
     out.weight (V, 2d) for head "own", or proj.weight (d, 2d) for head "shared";
     with a draft vocabulary of N tokens: out.weight (N, 2d), and the buffers
-    draft_vocab.d2t (N,) and draft_vocab.t2d (V,).
+    draft_vocab.d2t (N,) and draft_vocab.t2d (V,); with context C: context.* (see
+    ``ContextAttention``).
 
     The target's embeddings and LM head are used through ``parts`` and never stored.
     """
@@ -72,16 +78,22 @@ class ReDrafterHead(nn.Module):
         else:
             self.proj = nn.Linear(2 * d, d, bias=False)
         self.draft_vocab = DraftVocab(config.draft_vocab, V) if config.draft_vocab else None
+        self.context = ContextAttention(d, config.context, config.context_heads) if config.context else None
 
     @classmethod
     def for_target(cls, target, num_blocks: int = 2, head: str = "own", beam_width: int = 4,
-                   beam_length: int = 5, draft_vocab: DraftVocab | None = None) -> "ReDrafterHead":
+                   beam_length: int = 5, draft_vocab: DraftVocab | None = None,
+                   context: int = 0) -> "ReDrafterHead":
         """A freshly initialised head for ``target`` (a ``specdraft.models.Target``),
-        on the target's device, in float32; its output covers ``draft_vocab`` if given."""
-        config = ReDrafterConfig(hidden_size=int(target.hidden_size), vocab_size=int(target.vocab_size),
+        on the target's device, in float32; its output covers ``draft_vocab`` if given;
+        ``context`` > 0 adds context attention over that many states (heads of width 64
+        where the hidden size allows, else one)."""
+        d = int(target.hidden_size)
+        config = ReDrafterConfig(hidden_size=d, vocab_size=int(target.vocab_size),
                                  num_blocks=num_blocks, head=head, beam_width=beam_width,
                                  beam_length=beam_length, target=target_signature(target),
-                                 draft_vocab=draft_vocab.size if draft_vocab is not None else 0)
+                                 draft_vocab=draft_vocab.size if draft_vocab is not None else 0,
+                                 context=context, context_heads=d // 64 if d % 64 == 0 else 1)
         made = cls(config, TargetParts.of(target))
         if draft_vocab is not None:
             made.draft_vocab.set_ids(draft_vocab.ids())
@@ -119,6 +131,29 @@ class ReDrafterHead(nn.Module):
     def step_embedded(self, state: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """The recurrence with W·E[x_t] already computed: (..., d), (..., d) -> (..., d)."""
         return F.silu(embedded + self.rnn_u(state))
+
+    # ---- the context (config.context > 0) ---------------------------------------------
+
+    def contextualize(self, hidden: torch.Tensor, support: torch.Tensor, support_next: torch.Tensor,
+                      query: torch.Tensor, valid: torch.Tensor, slot: torch.Tensor | None = None) -> torch.Tensor:
+        """a_t (N, d) for h_t (N, d): support (G, S, d) target states and support_next (G, S)
+        the token after each; query (G, Q), valid (G, Q, S) the queries' slots and windows
+        (``ContextAttention.forward``); slot (N,) where row n sits among the G·Q queries
+        (None: row n at n, N = G·Q)."""
+        G, Q = query.shape
+        grouped = hidden if slot is None else hidden.new_zeros(G * Q, hidden.shape[-1]).index_copy(0, slot, hidden)
+        pairs = self.context.pairs(support, self.parts.embed(support_next))
+        out = self.context(pairs, query, valid, grouped.view(G, Q, -1)).reshape(G * Q, -1)
+        return out if slot is None else out[slot]
+
+    def contextualize_recent(self, hidden: torch.Tensor, states: torch.Tensor, next_tokens: torch.Tensor,
+                             lengths: torch.Tensor) -> torch.Tensor:
+        """a_t (B, d) at inference: states (B, C', d) right-aligned (the last ``lengths[b]``
+        slots hold row b's latest states, hidden[b] last), next_tokens (B, C') the token after
+        each (g0 last). Only the last ``config.context`` slots are read."""
+        C = min(self.config.context, states.shape[1])
+        query, valid = right_aligned(lengths.clamp(max=C), C)
+        return self.contextualize(hidden, states[:, -C:], next_tokens[:, -C:], query, valid)
 
     # ---- the output -------------------------------------------------------------------
 

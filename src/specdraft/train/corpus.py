@@ -265,25 +265,22 @@ class Corpus:
     def fingerprint(self) -> dict:
         return {"folder": str(self.folder.resolve()), "chunks": self.chunks, "positions": len(self)}
 
-    def gather(self, flat: np.ndarray, K: int, label: str = "greedy") -> "PositionBatch":
+    def gather(self, flat: np.ndarray, K: int, label: str = "greedy", window: int = 0) -> "PositionBatch":
         """The positions ``flat`` (N,) of the flat list, with K depths of inputs and labels.
 
         label "greedy": the target's choices (training); "text": the sequence's own next
-        tokens (scoring on the target's own answers: the engine's walk)."""
+        tokens (scoring on the target's own answers: the engine's walk). window C > 0 also
+        gathers each position's context window (``PositionBatch.window``): the stored
+        positions t-C+1 .. t of the same answer (consecutive token indices)."""
         flat = np.asarray(flat, dtype=np.int64)
         chunk_of = np.searchsorted(self.starts, flat, side="right") - 1
-        hidden = np.empty((len(flat), self.arrays[0]["hidden"].shape[1]), dtype=np.int16) if len(self.arrays) else None
         inputs = np.zeros((len(flat), K), dtype=np.int64)
         labels = np.full((len(flat), K), IGNORE, dtype=np.int64)
-        t_of = np.zeros(len(flat), dtype=np.int64)
+        t_of = self._t_of(flat, chunk_of)
         for c in np.unique(chunk_of):
             rows = np.nonzero(chunk_of == c)[0]
             a = self.arrays[c]
-            local = flat[rows] - self.starts[c]
-            order = np.argsort(local)  # sorted reads are kinder to the page cache
-            hidden[rows[order]] = a["hidden"][local[order]]
-            t = a["pos"][local]
-            t_of[rows] = t
+            t = t_of[rows]
             S = a["tokens"].shape[0]
             ok = np.ones(len(rows), dtype=bool)
             for i in range(K):
@@ -297,8 +294,72 @@ class Corpus:
                     y = a["tokens"][v].astype(np.int64)
                     ok &= (t + 2 + i < S) & a["answer"][v] & (a["greedy"][u] >= 0)
                 labels[rows, i] = np.where(ok, y, IGNORE)
-        return PositionBatch(hidden=int16_to_bf16(hidden), inputs=torch.from_numpy(inputs),
-                             labels=torch.from_numpy(labels), chunk=torch.from_numpy(chunk_of), t=torch.from_numpy(t_of))
+        windows = None
+        if window and len(flat):
+            windows = self._windows(flat, chunk_of, t_of, window)  # (needs consecutive runs: blocks)
+        hidden = self._hidden(flat, chunk_of)
+        return PositionBatch(hidden=hidden, inputs=torch.from_numpy(inputs), labels=torch.from_numpy(labels),
+                             chunk=torch.from_numpy(chunk_of), t=torch.from_numpy(t_of), window=windows)
+
+    def _t_of(self, flat: np.ndarray, chunk_of: np.ndarray) -> np.ndarray:
+        """Token index (within its chunk) of each flat position."""
+        t_of = np.zeros(len(flat), dtype=np.int64)
+        for c in np.unique(chunk_of):
+            rows = np.nonzero(chunk_of == c)[0]
+            t_of[rows] = self.arrays[c]["pos"][flat[rows] - self.starts[c]]
+        return t_of
+
+    def _hidden(self, flat: np.ndarray, chunk_of: np.ndarray) -> torch.Tensor:
+        """(N, d) bfloat16 h_t of the flat positions."""
+        hidden = np.empty((len(flat), self.arrays[0]["hidden"].shape[1]) if self.arrays else (0, 0), dtype=np.int16)
+        for c in np.unique(chunk_of):
+            rows = np.nonzero(chunk_of == c)[0]
+            local = flat[rows] - self.starts[c]
+            order = np.argsort(local)  # sorted reads are kinder to the page cache
+            hidden[rows[order]] = self.arrays[c]["hidden"][local[order]]
+        return int16_to_bf16(hidden)
+
+    def _windows(self, flat: np.ndarray, chunk_of: np.ndarray, t_of: np.ndarray, C: int, Q: int = 16):
+        """The context windows of ``flat``, grouped for ``ReDrafterHead.contextualize``:
+        (support hidden (G, S, d) bf16, support next tokens (G, S) long, query (G, Q) long,
+        valid (G, Q, S) bool, slot (N,) long) with S = Q + C - 1.
+
+        Runs of consecutive positions (training blocks, held-out batches) are cut into
+        groups of at most Q; group g's span is the S flat positions ending at its Q-th
+        query slot, and row n sits at slot[n] = g·Q + q. A span position is in a query's
+        window when it is at most C - 1 positions back and stored at the matching token
+        index of the same chunk (the same answer)."""
+        N, S = len(flat), Q + C - 1
+        run_start = np.ones(N, dtype=bool)
+        run_start[1:] = flat[1:] != flat[:-1] + 1
+        first_of_run = np.maximum.accumulate(np.where(run_start, np.arange(N), 0))
+        new_group = run_start | ((np.arange(N) - first_of_run) % Q == 0)
+        group = np.cumsum(new_group) - 1
+        q = np.arange(N) - np.maximum.accumulate(np.where(new_group, np.arange(N), 0))
+        G = int(group[-1]) + 1
+        first = flat[new_group]  # (G,) each group's first position
+        span = first[:, None] - (C - 1) + np.arange(S)  # (G, S)
+        queries = first[:, None] + np.arange(Q)  # (G, Q); slots past a group's end are padding
+        inside = (span >= 0) & (span < len(self))
+        safe = np.where(inside, span, 0)
+        s_chunk = np.searchsorted(self.starts, safe.ravel(), side="right") - 1
+        s_t = self._t_of(safe.ravel(), s_chunk).reshape(G, S)
+        s_chunk = s_chunk.reshape(G, S)
+        q_chunk = np.full((G, Q), -1, dtype=np.int64)
+        q_t = np.zeros((G, Q), dtype=np.int64)
+        q_chunk[group, q], q_t[group, q] = chunk_of, t_of
+        back = queries[:, :, None] - span[:, None, :]  # (G, Q, S) positions back
+        valid = inside[:, None, :] & (back >= 0) & (back < C) & (s_chunk[:, None, :] == q_chunk[:, :, None]) \
+            & (s_t[:, None, :] == q_t[:, :, None] - back)
+        valid |= back == 0  # a query always sees itself (padding queries too: no empty softmax row)
+        nxt = np.zeros((G, S), dtype=np.int64)
+        for c in np.unique(s_chunk):
+            at = s_chunk == c
+            nxt[at] = self.arrays[c]["tokens"][np.minimum(s_t[at] + 1, self.arrays[c]["tokens"].shape[0] - 1)]
+        hidden = self._hidden(safe.ravel(), s_chunk.ravel()).view(G, S, -1)
+        query = np.broadcast_to(C - 1 + np.arange(Q), (G, Q)).copy()
+        return (hidden, torch.from_numpy(nxt), torch.from_numpy(query), torch.from_numpy(valid),
+                torch.from_numpy(group * Q + q))
 
     def label_counts(self, vocab_size: int, limit_positions: int | None = None) -> torch.Tensor:
         """(V,) int64 counts of the target's greedy choices at answer slots (the draft
@@ -318,13 +379,21 @@ class Corpus:
 @dataclass
 class PositionBatch:
     """hidden (N, d) bfloat16 h_t; inputs (N, K) long, the tokens fed at depths 0..K-1;
-    labels (N, K) long (-100: no label, prefix-closed); chunk, t (N,) where each came from."""
+    labels (N, K) long (-100: no label, prefix-closed); chunk, t (N,) where each came from;
+    window: None, or the context windows (``Corpus._windows``), the last four arguments
+    of ``ReDrafterHead.contextualize``."""
 
     hidden: torch.Tensor
     inputs: torch.Tensor
     labels: torch.Tensor
     chunk: torch.Tensor
     t: torch.Tensor
+    window: tuple | None = None
+
+
+def to_device(window: tuple | None, device) -> tuple | None:
+    """A ``PositionBatch.window`` moved to ``device`` (None stays None)."""
+    return None if window is None else tuple(x.to(device) for x in window)
 
 
 def to_output_space(vocab: DraftVocab | None, labels: torch.Tensor) -> torch.Tensor:

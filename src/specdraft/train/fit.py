@@ -44,7 +44,7 @@ from ..errors import SpecdraftError
 from ..vocab import DraftVocab
 from .common import (JsonLog, LoopOptions, Plan, TrainState, cosine_schedule, finish_run, latest_checkpoint,
                      make_accelerator, train_loop)
-from .corpus import Corpus, PositionBatch, corpus_manifest, extract, to_output_space
+from .corpus import Corpus, PositionBatch, corpus_manifest, extract, to_device, to_output_space
 from .fit_eval import CURVE, CorpusEvaluator, summarise, write_curve_plot
 from .fit_stages import Budget, heldout_answers, say, sigterm_as_interrupt
 
@@ -80,6 +80,7 @@ class FitConfig:
     labels: str = "target"  # "target": the target's greedy choices (distillation); "text": the data's own tokens
     K: int = 4
     num_blocks: int = 2
+    context: int = 0  # redrafter: context attention over the last N target states (0: the paper's head)
     epochs: int = 2
     max_steps: int | None = None  # cap on optimizer steps (the LR schedule spans the cap)
     batch_positions: int = 1024
@@ -121,6 +122,9 @@ class FitConfig:
             raise SpecdraftError(f"max-steps must be >= 1, got {self.max_steps}")
         if self.data_offset < 0:
             raise SpecdraftError(f"data-offset must be >= 0, got {self.data_offset}")
+        if self.context < 0 or (self.context and self.drafter != "redrafter"):
+            raise SpecdraftError(f"--context must be >= 0 and is a redrafter option, got {self.context} "
+                                 f"for {self.drafter}")
         if self.tokens is not None and self.tokens < 1:
             raise SpecdraftError(f"tokens must be >= 1, got {self.tokens}")
         if self.budget_seconds is not None and not self.budget_seconds > 0:
@@ -155,16 +159,17 @@ class CorpusTask:
     bar_fields = ("loss", "acc1_0")
 
     def __init__(self, corpus: Corpus, vocab: DraftVocab | None, K: int, device, held_out=None,
-                 labels: str = "target"):
+                 labels: str = "target", window: int = 0):
         """``labels``: "target" trains on the target's greedy choices (the corpus's "greedy"
-        labels), "text" on the conversations' own next tokens (no distillation)."""
-        self.corpus, self.vocab, self.K, self.device = corpus, vocab, K, device
+        labels), "text" on the conversations' own next tokens (no distillation); window:
+        the head's context window (0: none)."""
+        self.corpus, self.vocab, self.K, self.device, self.window = corpus, vocab, K, device, window
         self.held_out = held_out
         self.label = "greedy" if labels == "target" else "text"
 
     def micro_batch(self, indices: list[int]) -> PositionBatch:
         flat = (np.asarray(indices, dtype=np.int64)[:, None] * BLOCK + np.arange(BLOCK)).ravel()
-        mb = self.corpus.gather(flat[flat < len(self.corpus)], self.K, label=self.label)
+        mb = self.corpus.gather(flat[flat < len(self.corpus)], self.K, label=self.label, window=self.window)
         mb.oov = ((mb.labels != IGNORE) & (to_output_space(self.vocab, mb.labels) == IGNORE)).sum(0)
         mb.labels = to_output_space(self.vocab, mb.labels)
         return mb
@@ -177,7 +182,7 @@ class CorpusTask:
 
     def loss(self, model, mb: PositionBatch, denom: torch.Tensor):
         d = self.device
-        loss, stats = model(mb.hidden.to(d), mb.inputs.to(d), mb.labels.to(d), None, denom)
+        loss, stats = model(mb.hidden.to(d), mb.inputs.to(d), mb.labels.to(d), None, denom, to_device(mb.window, d))
         return loss, torch.cat([stats.flatten(), mb.oov.float().to(stats.device)])
 
     def sync(self, accelerator) -> None:
@@ -267,7 +272,7 @@ def build_objective(config: FitConfig, target, vocab: DraftVocab | None):
     else:
         head = ReDrafterHead.for_target(target, num_blocks=config.num_blocks, head=config.head,
                                         beam_width=config.beam_width, beam_length=config.beam_length,
-                                        draft_vocab=vocab)
+                                        draft_vocab=vocab, context=config.context)
     if config.init_from:
         warm_start(head, type(head).load(checkpoint_path(config.drafter, config.init_from), target))
     elif config.head == "shared" and config.drafter == "redrafter":
@@ -297,7 +302,8 @@ def warm_start(head: torch.nn.Module, warm: torch.nn.Module) -> None:
                                  f"({tuple(mine[name].shape) if name in mine else 'absent'}); use the same "
                                  "--head and --num-blocks as the checkpoint")
         loaded[name] = value.float()
-    missing = [k for k in mine if k not in loaded and not k.startswith("draft_vocab.")]
+    # A context head may start from a paper head: its context attention starts as the identity.
+    missing = [k for k in mine if k not in loaded and not k.startswith(("draft_vocab.", "context."))]
     if missing:
         raise SpecdraftError(f"--init-from: the checkpoint has no {', '.join(missing)}; use the same --head and "
                              "--num-blocks as the checkpoint")
@@ -328,7 +334,7 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
     if resume is not None:
         accelerator.load_state(str(resume))
         say(f"resuming training at step {state.step} of {plan.total_steps}")
-    evaluator = CorpusEvaluator(held, vocab, config.K, target.device)
+    evaluator = CorpusEvaluator(held, vocab, config.K, target.device, window=config.context)
     curve = JsonLog(Path(config.out), state.step, accelerator.is_main_process, name=CURVE)
 
     def score() -> dict:
@@ -340,7 +346,8 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
     if resume is None:
         first = held_out.first()
         say(f"before training: held-out {summarise(first, config.K)}")
-    task = CorpusTask(corpus, vocab, config.K, target.device, held_out, labels=config.labels)
+    task = CorpusTask(corpus, vocab, config.K, target.device, held_out, labels=config.labels,
+                      window=config.context)
     deadline = budget.deadline()
     opts = LoopOptions(out=out, save_every=10**9, save_every_seconds=config.save_every_seconds, keep_checkpoints=2,
                        # Logged steps divide eval_every, so evaluations fall on its multiples only
@@ -361,7 +368,7 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
 
 
 def signature(config: FitConfig) -> dict:
-    keep = ("drafter", "draft_vocab", "head", "K", "num_blocks", "epochs", "max_steps", "lr", "warmup", "weight_decay", "seed", "init_from",
+    keep = ("drafter", "draft_vocab", "head", "K", "num_blocks", "context", "epochs", "max_steps", "lr", "warmup", "weight_decay", "seed", "init_from",
             "target", "dtype")
     return {k: getattr(config, k) for k in keep}
 

@@ -12,7 +12,7 @@ import torch
 
 from ..data.chat import IGNORE
 from ..vocab import DraftVocab
-from .corpus import Corpus, to_output_space
+from .corpus import Corpus, to_device, to_output_space
 from .walk import greedy_walk
 
 CURVE = "curve.jsonl"  # OUT/curve.jsonl: one held-out score per evaluation, with its step and positions
@@ -24,8 +24,10 @@ class CorpusEvaluator:
     the target's own greedy answers: the engine's greedy τ on those prompts, up to the
     numerics of batched vs incremental forwards."""
 
-    def __init__(self, corpus: Corpus, vocab: DraftVocab | None, K: int, device, batch: int = 4096):
+    def __init__(self, corpus: Corpus, vocab: DraftVocab | None, K: int, device, batch: int = 4096,
+                 window: int = 0):
         self.corpus, self.vocab, self.K, self.device, self.batch = corpus, vocab, K, device, batch
+        self.window = window  # context attention's window (0: none)
 
     @torch.no_grad()
     def __call__(self, model) -> dict:
@@ -41,11 +43,13 @@ class CorpusEvaluator:
         runs = [np.zeros(a["tokens"].shape[0], dtype=np.int64) for a in corpus.arrays]
         hits, count = np.zeros(K), np.zeros(K)
         for start in range(0, len(corpus), self.batch):
-            mb = corpus.gather(np.arange(start, min(start + self.batch, len(corpus))), K, label="text")
+            mb = corpus.gather(np.arange(start, min(start + self.batch, len(corpus))), K, label="text",
+                               window=self.window)
             labels = to_output_space(self.vocab, mb.labels).to(self.device)
             valid = mb.labels.to(self.device) != IGNORE  # OOV labels count as misses
             right = torch.zeros_like(valid)
-            for i, logits in model.depth_logits(mb.hidden.to(self.device), mb.inputs.to(self.device), valid):
+            window = to_device(mb.window, self.device)
+            for i, logits in model.depth_logits(mb.hidden.to(self.device), mb.inputs.to(self.device), valid, window):
                 right[valid[:, i], i] = logits.argmax(-1) == labels[valid[:, i], i]
             hits += right.sum(0).cpu().numpy()
             count += valid.sum(0).cpu().numpy()

@@ -1,0 +1,138 @@
+"""ReDrafter with context attention (``heads.context``, ``--context C``): the engine's
+window of recent target states, exactness, and that a fresh context head is the paper's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft import SamplingParams, SpeculativeEngine
+from specdraft.drafters import NoDrafter
+from specdraft.drafters.redrafter import ReDrafter
+from specdraft.drafters.base import single_beam
+from specdraft.heads import ReDrafterHead
+from specdraft.recent import RecentStates
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [3]]
+C = 4
+
+
+def context_head(target, seed=0, **kw) -> ReDrafterHead:
+    """A head whose context attention is not the identity (W_o, the bias: random)."""
+    torch.manual_seed(seed)
+    head = ReDrafterHead.for_target(target, context=C, **kw)
+    with torch.no_grad():
+        head.context.out.weight.normal_(0, 0.5)
+        head.context.bias.normal_(0, 1.0)
+    return head.eval().requires_grad_(False)
+
+
+def run(target, drafter, prompts, **params):
+    params = SamplingParams(**{"max_new_tokens": 20, "ignore_eos": True, **params})
+    return [r.token_ids for r in SpeculativeEngine(target, drafter, max_tree_tokens=None).generate(prompts, params)]
+
+
+def test_recent_states_keep_each_rows_latest():
+    d = 2
+    tail = torch.arange(2 * 2 * d, dtype=torch.float32).view(2, 2, d)
+    recent = RecentStates.start(tail, torch.tensor([2, 1]), window=3)
+    assert recent.lengths.tolist() == [2, 1]
+    assert torch.equal(recent.states[0, 1:], tail[0]) and torch.equal(recent.states[1, 2], tail[1, 1])
+    new = torch.full((2, 3, d), 9.0)
+    new[0, 0], new[1, :2] = 7.0, torch.tensor([[5.0, 5.0], [6.0, 6.0]])
+    recent.push(new, torch.tensor([1, 2]))  # row 0 gains one state, row 1 two
+    assert recent.lengths.tolist() == [3, 3]
+    assert recent.states[0].tolist() == [tail[0, 0].tolist(), tail[0, 1].tolist(), [7.0, 7.0]]
+    assert recent.states[1].tolist() == [tail[1, 1].tolist(), [5.0, 5.0], [6.0, 6.0]]
+    recent.select(torch.tensor([1]))
+    assert recent.lengths.tolist() == [3] and recent.states.shape == (1, 3, d)
+
+
+def test_a_fresh_context_head_is_the_papers_head(tiny_target):
+    """W_o starts at zero: a_t = h_t, so drafts equal the paper head's with the same weights."""
+    torch.manual_seed(0)
+    fresh = ReDrafterHead.for_target(tiny_target, context=C).eval()
+    paper = ReDrafterHead.for_target(tiny_target).eval()
+    paper.load_state_dict({k: v for k, v in fresh.state_dict().items() if not k.startswith("context.")})
+    seen = {}
+
+    class Recording(ReDrafter):
+        def propose(self, ctx):
+            proposal = super().propose(ctx)
+            seen.setdefault(self.head is fresh, []).append(proposal.beams.clone())
+            return proposal
+
+    kw = dict(beam_width=2, beam_length=3)
+    assert run(tiny_target, Recording(fresh, **kw), PROMPTS) == run(tiny_target, Recording(paper, **kw), PROMPTS)
+    assert all(torch.equal(a, b) for a, b in zip(seen[True], seen[False])) and len(seen[True]) > 3
+
+
+@pytest.mark.parametrize("variant", ["own", "shared"])
+def test_greedy_output_is_the_targets_with_context(tiny_target, variant):
+    drafter = ReDrafter(context_head(tiny_target, head=variant), beam_width=3, beam_length=4)
+    plain = run(tiny_target, NoDrafter(), PROMPTS)
+    assert run(tiny_target, drafter, PROMPTS) == plain  # batch 3, ragged, a one-token prompt
+    assert [run(tiny_target, drafter, [p])[0] for p in PROMPTS] == plain
+
+
+def test_sampling_with_context_is_reproducible(tiny_target):
+    drafter = ReDrafter(context_head(tiny_target))
+    kw = dict(temperature=1.0, seed=3, max_new_tokens=12)
+    assert run(tiny_target, drafter, PROMPTS, **kw) == run(tiny_target, drafter, PROMPTS, **kw)
+
+
+def test_the_engines_window_is_the_teacher_forced_one(tiny_target):
+    """At every step, the state the head starts from (a_t) equals a_t computed from one
+    target pass over the final text, with the window the training corpus uses: the target
+    states from the prompt's second-to-last token on, the last C of them. Every other step
+    runs plain (no drafted token), so both ways of pushing states are checked."""
+    head = context_head(tiny_target)
+    seen = []
+
+    class Recording(ReDrafter):
+        def propose(self, ctx):
+            roots = self.root_states(ctx)
+            seen.extend((i, len(t), roots[b]) for b, (i, t) in enumerate(zip(ctx.request_ids, ctx.tokens)))
+            if len(seen) % 2:
+                return single_beam(ctx.g0)
+            return super().propose(ctx)
+
+    out = run(tiny_target, Recording(head, beam_width=2, beam_length=3), PROMPTS)
+    checked = 0
+    for i, (prompt, generated) in enumerate(zip(PROMPTS, out)):
+        ids = prompt + generated
+        with torch.no_grad():
+            hidden = tiny_target.base(input_ids=torch.tensor([ids])).last_hidden_state[0]
+        first = max(0, len(prompt) - 2)
+        for n, root in [(n, r) for j, n, r in seen if j == i]:
+            t = n - 2  # the state whose logits chose g0 = ids[n - 1]
+            lo = max(first, t - C + 1)
+            states = torch.zeros(1, C, hidden.shape[-1])
+            after = torch.zeros(1, C, dtype=torch.long)
+            states[0, C - (t + 1 - lo):] = hidden[lo: t + 1]
+            after[0, C - (t + 1 - lo):] = torch.tensor(ids[lo + 1: t + 2])
+            with torch.no_grad():
+                want = head.contextualize_recent(hidden[t][None], states, after, torch.tensor([t + 1 - lo]))[0]
+            assert torch.allclose(root, want, atol=1e-5), (prompt, n)
+            checked += 1
+    assert checked > 20
+
+
+def test_export_refuses_a_context_head_with_the_reason(tiny_target, tmp_path):
+    from specdraft.errors import SpecdraftError
+    from specdraft.heads import export_trtllm
+
+    ReDrafterHead.for_target(tiny_target, context=C).save(tmp_path / "h")
+    with pytest.raises(SpecdraftError, match="context attention"):
+        export_trtllm(tmp_path / "h", tmp_path / "out")
+
+
+def test_a_context_head_round_trips(tiny_target, tmp_path):
+    head = context_head(tiny_target)
+    head.save(tmp_path / "h")
+    loaded = ReDrafterHead.load(tmp_path / "h", tiny_target)
+    assert loaded.config.context == C and loaded.config.context_heads == head.config.context_heads
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in head.state_dict().items())
+    drafter = ReDrafter(loaded)
+    assert drafter.context_window == C
+    assert run(tiny_target, drafter, PROMPTS) == run(tiny_target, NoDrafter(), PROMPTS)
