@@ -180,14 +180,14 @@ def answers(tiny_target, data, tmp_path) -> Path:
     return tmp_path / "answers.jsonl"
 
 
-@pytest.mark.parametrize("context", [0, 3], ids=["paper", "context"])
+@pytest.mark.parametrize("context, layers", [(0, ""), (3, ""), (0, "0,1")], ids=["paper", "context", "features"])
 def test_fit_end_to_end_then_exact_and_walk_is_engine_tau(tiny_target_path, tiny_target, data, answers, tmp_path,
-                                                          context):
-    """With --context, the walk agreeing with the engine also shows that the corpus's
-    context windows are the ones the engine keeps (``specdraft.recent``)."""
+                                                          context, layers):
+    """With --context (--feature-layers), the walk agreeing with the engine also shows that
+    the corpus's context windows (feature states) are the ones the engine keeps."""
     out = tmp_path / "run"
     assert fit(tiny_target_path, data, out, "--heldout-data", str(answers), "--epochs", "20", "--lr", "1e-2",
-               "--context", str(context)) == 0
+               "--context", str(context), *(["--feature-layers", layers] if layers else [])) == 0
     vocab = json.loads((out / "vocab.json").read_text())
     assert len(vocab["ids"]) == 10 and 0 < vocab["heldout_coverage"] <= 1
     curve = [json.loads(line) for line in (out / "curve.jsonl").read_text().splitlines()]
@@ -206,7 +206,7 @@ def test_fit_end_to_end_then_exact_and_walk_is_engine_tau(tiny_target_path, tiny
     tokens = sum(len(r["response_ids"]) for r in records)
     from specdraft.train.fit import CorpusEvaluator
     from specdraft.train.heads import HeadObjective
-    assert head.config.context == context
+    assert head.config.context == context and head.config.feature_layers == [int(x) for x in layers.split(",") if x]
     found = CorpusEvaluator(Corpus(out / "heldout-corpus"), head.draft_vocab, 3, tiny_target.device, window=context)(
         HeadObjective(head.float(), 3))
     assert found["eval_tau_w1_l4"] > 1.2  # the check has teeth
@@ -264,6 +264,8 @@ def test_a_rerun_after_training_began_does_not_extend_the_corpus(tiny_target_pat
     (["--heldout-data", "/nonexistent.jsonl"], "not found"),
     (["--context", "-1"], "--context must be >= 0"),
     (["--drafter", "medusa", "--context", "4"], "redrafter option"),
+    (["--feature-layers", "a,b"], "--feature-layers must be"),
+    (["--feature-layers", "0,99"], "no layer 99"),
 ])
 def test_bad_fit_options_are_one_line_errors(tiny_target_path, data, tmp_path, capsys, argv, message):
     assert fit(tiny_target_path, data, tmp_path / "x", *argv) == 2

@@ -71,6 +71,7 @@ class SpeculativeEngine:
             max_tree_tokens = 8 if target.device.type == "cpu" and policy is None else None
         self.max_tree_tokens = max_tree_tokens
         self.window = int(getattr(drafter, "context_window", 0))  # recent states the drafter reads (0: none)
+        self.feature_layers = tuple(getattr(drafter, "feature_layers", ()))  # target layers it reads
 
     # ---- public API -------------------------------------------------------------------
 
@@ -122,13 +123,15 @@ class SpeculativeEngine:
         if not batch.rows:
             self.drafter.start(new.ctx)
             batch.rows, batch.cache, batch.hidden, batch.ctx = new.rows, new.cache, new.hidden, new.ctx
-            batch.recent = new.recent
+            batch.recent, batch.features = new.recent, new.features
         else:
             batch.cache.extend(new.cache)
             batch.rows = batch.rows + new.rows
             batch.hidden = torch.cat([batch.hidden, new.hidden])
             if batch.recent is not None:
                 batch.recent.extend(new.recent)
+            if batch.features is not None:
+                batch.features = torch.cat([batch.features, new.features])
             self.drafter.add_rows(new.ctx)
             batch.ctx = self._context(batch)
         for stage, secs in new.timer.seconds.items():
@@ -145,8 +148,9 @@ class SpeculativeEngine:
                        self.target.max_context) + 64
         batch = Batch(rows=rows, cache=None, hidden=None, ctx=None, timer=StageTimer(device))
         with batch.timer("prefill"):
-            tail, batch.cache = self._prefill(rows, capacity)
+            tail, features, batch.cache = self._prefill(rows, capacity)
             batch.hidden = tail[:, -1]
+            batch.features = None if features is None else features[:, -1]
             if self.window:
                 counts = torch.tensor([min(2, len(r.prompt)) for r in rows], device=device)
                 batch.recent = RecentStates.start(tail, counts, self.window)
@@ -184,7 +188,7 @@ class SpeculativeEngine:
         with timer("verify"):
             tree = pack_beams(proposal.beams, proposal.valid)
             positions = cache.lengths[:, None] + tree.depth
-            tree_hidden = target.forward(tree.tokens, positions, cache.attention_mask(tree.mask), cache)
+            tree_hidden, tree_features = self._forward(tree.tokens, positions, cache.attention_mask(tree.mask), cache)
             tree_logits = target.logits(tree_hidden)
         with timer("accept"):
             acc = self._accept(batch.rows, tree, proposal, tree_logits)
@@ -192,7 +196,10 @@ class SpeculativeEngine:
             cache.commit(acc.path, acc.n)
             path_tokens = tree.tokens.gather(1, acc.path)
             self.drafter.observe(ctx, path_tokens, acc.n)
-            batch.hidden = tree_hidden[torch.arange(len(batch.rows), device=tree_hidden.device), acc.last]
+            every = torch.arange(len(batch.rows), device=tree_hidden.device)
+            batch.hidden = tree_hidden[every, acc.last]
+            if tree_features is not None:
+                batch.features = tree_features[every, acc.last]
             if batch.recent is not None:  # every accepted token's state, g0's first
                 batch.recent.push(tree_hidden.gather(1, acc.path[:, :, None].expand(-1, -1, tree_hidden.shape[-1])),
                                   acc.n)
@@ -259,7 +266,8 @@ class SpeculativeEngine:
         with timer("verify"):
             g0 = batch.ctx.g0[:, None]
             mask = cache.attention_mask(torch.ones(B, 1, 1, dtype=torch.bool, device=device))
-            hidden = target.forward(g0, cache.lengths[:, None], mask, cache)[:, 0]
+            hidden, features = self._forward(g0, cache.lengths[:, None], mask, cache)
+            hidden = hidden[:, 0]
             logits = target.logits(hidden)
         with timer("accept"):
             chosen = self._choose(rows, logits)
@@ -269,6 +277,8 @@ class SpeculativeEngine:
             if proposed:
                 self.drafter.observe(batch.ctx, g0, ones)
             batch.hidden = hidden
+            if features is not None:
+                batch.features = features[:, 0]
             if batch.recent is not None:
                 batch.recent.push(hidden[:, None], ones)
             if self.policy is not None:
@@ -308,33 +318,45 @@ class SpeculativeEngine:
             rows.append(Row(request_id=i, prompt=list(prompt), params=p, generator=gen, adapt=adapt))
         return rows
 
-    def _prefill(self, rows: list[Row], capacity: int) -> tuple[torch.Tensor, CompactCache]:
+    def _forward(self, tokens, positions, mask, cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``Target.forward``'s hidden states (B, N, d) and, for a drafter with feature
+        layers, the target's states after them (B, N, n, d); else None."""
+        if not self.feature_layers:
+            return self.target.forward(tokens, positions, mask, cache), None
+        with self.target.layer_outputs(self.feature_layers) as seen:
+            hidden = self.target.forward(tokens, positions, mask, cache)
+        return hidden, torch.stack([seen[layer] for layer in self.feature_layers], dim=-2)
+
+    def _prefill(self, rows: list[Row], capacity: int) -> tuple[torch.Tensor, torch.Tensor | None, CompactCache]:
         """Run the prompts; return (B, 2, d) hidden states at each prompt's last two tokens
-        (the last one's logits choose the first token; a one-token prompt repeats it) and
-        the cache holding them (rows in ``rows`` order, ``capacity`` slots).
+        (the last one's logits choose the first token; a one-token prompt repeats it), the
+        feature-layer states there (B, 2, n, d) or None, and the cache holding them (rows in
+        ``rows`` order, ``capacity`` slots).
 
         Prompts of very different lengths are run in groups of similar length (see
         ``prefill_groups``): one padded pass would cost max length x B tokens."""
         device = self.target.device
         groups = prefill_groups([len(r.prompt) for r in rows])
-        hidden, caches = [], []
+        hidden, features, caches = [], [], []
         for group in groups:
             cache = CompactCache(self.target.num_layers, len(group), capacity, device)
-            hidden.append(self._prefill_padded([rows[i] for i in group], cache))
+            found = self._prefill_padded([rows[i] for i in group], cache)
+            hidden.append(found[0])
+            features.append(found[1])
             caches.append(cache)
         cache = caches[0]
         for other in caches[1:]:
             cache.extend(other)
         if len(groups) == 1:
-            return hidden[0], cache
+            return hidden[0], features[0], cache
         order = torch.tensor([i for group in groups for i in group], device=device)
         back = torch.argsort(order)  # row i sits at position back[i] of the grouped order
         cache.select_rows(back)
-        return torch.cat(hidden)[back], cache
+        return torch.cat(hidden)[back], None if features[0] is None else torch.cat(features)[back], cache
 
-    def _prefill_padded(self, rows: list[Row], cache: CompactCache) -> torch.Tensor:
+    def _prefill_padded(self, rows: list[Row], cache: CompactCache) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the right-padded prompts in one pass; return (B, 2, d) hidden states at each
-        prompt's last two tokens."""
+        prompt's last two tokens, and the feature-layer states there (B, 2, n, d) or None."""
         device = self.target.device
         lengths = torch.tensor([len(r.prompt) for r in rows], device=device)
         P = int(lengths.max())
@@ -346,10 +368,11 @@ class SpeculativeEngine:
         real = pos[None, :] < lengths[:, None]
         # Padding queries see only themselves so that no attention row is empty.
         mask = (causal & real[:, None, :]) | (torch.eye(P, dtype=torch.bool, device=device) & ~real[:, :, None])
-        hidden = self.target.forward(tokens, pos[None].expand(len(rows), -1), mask[:, None], cache)
+        hidden, features = self._forward(tokens, pos[None].expand(len(rows), -1), mask[:, None], cache)
         cache.commit(pos[None].expand(len(rows), -1), lengths)
         last = (lengths[:, None] + torch.arange(-2, 0, device=device)).clamp(min=0)
-        return hidden[torch.arange(len(rows), device=device)[:, None], last]
+        every = torch.arange(len(rows), device=device)[:, None]
+        return hidden[every, last], None if features is None else features[every, last]
 
     def _choose(self, rows: list[Row], logits: torch.Tensor) -> torch.Tensor:
         """The target's own token from logits (B, V): argmax or a sample from p."""
@@ -379,6 +402,7 @@ class SpeculativeEngine:
             g0=torch.tensor([r.generated[-1] if r.generated else 0 for r in rows], device=device),
             hidden=batch.hidden,
             recent=batch.recent,
+            features=batch.features,
             budget=torch.tensor(budget, device=device).clamp(min=1),
             greedy=torch.tensor([r.params.greedy for r in rows], device=device),
             request_ids=[r.request_id for r in rows],
@@ -431,4 +455,6 @@ class SpeculativeEngine:
         batch.hidden = batch.hidden[keep]
         if batch.recent is not None:
             batch.recent.select(keep)
+        if batch.features is not None:
+            batch.features = batch.features[keep]
         batch.ctx = self._context(batch)

@@ -212,6 +212,29 @@ class Target:
                             past_key_values=cache, use_cache=True)
         return out.last_hidden_state
 
+    @contextmanager
+    def layer_outputs(self, layers: tuple[int, ...]) -> Iterator[dict]:
+        """Capture the residual stream after the decoder layers ``layers`` (0-based) in the
+        forwards run inside: yields a dict that maps each layer to its last output, (B, N, d).
+        (Forward hooks on the Hugging Face layers: no copy of the modeling code.)"""
+        seen: dict[int, torch.Tensor] = {}
+        stack = self.base.layers
+
+        def hook(layer: int):
+            def record(module, args, output):
+                seen[layer] = output[0] if isinstance(output, tuple) else output
+            return record
+
+        bad = [layer for layer in layers if not 0 <= layer < len(stack)]
+        if bad:
+            raise SpecdraftError(f"{self.name} has {len(stack)} layers; no layer {bad[0]}")
+        handles = [stack[layer].register_forward_hook(hook(layer)) for layer in layers]
+        try:
+            yield seen
+        finally:
+            for handle in handles:
+                handle.remove()
+
     def _masks(self, mask: torch.Tensor, positions: torch.Tensor, cache) -> dict:
         # Committed slot s holds position s; new tokens sit at their own positions.
         key_pos = torch.cat([torch.arange(cache.width, device=mask.device).expand(positions.shape[0], -1),

@@ -162,6 +162,7 @@ class Batch:
     ctx: DraftContext | None
     timer: StageTimer
     recent: RecentStates | None = None
+    features: torch.Tensor | None = None  # (B, n, d) for drafters with feature layers, beside hidden
 
     @property
     def request_ids(self) -> list[int]:

@@ -36,6 +36,19 @@ def parse_count(text: str) -> int:
     return int(value)
 
 
+def parse_layers(text: str | None) -> list[int]:
+    """"3,15,27" -> [3, 15, 27]; None -> []."""
+    if not text:
+        return []
+    try:
+        layers = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise SpecdraftError(f"--feature-layers must be comma-separated layer indices, got {text!r}") from None
+    if any(x < 0 for x in layers) or len(set(layers)) != len(layers):
+        raise SpecdraftError(f"--feature-layers must be distinct indices >= 0, got {text!r}")
+    return layers
+
+
 def add_fit(subparsers) -> None:
     p = subparsers.add_parser(
         "fit", help="train a ready drafter for a target in one resumable command",
@@ -104,6 +117,9 @@ def add_head_options(p) -> None:
     g.add_argument("--context", type=int, default=0, metavar="C",
                    help="redrafter, beyond the paper: context attention over the last C target states of the "
                         "answer, EAGLE-like (0: the paper's head) (default: %(default)s)")
+    g.add_argument("--feature-layers", metavar="I,J,...",
+                   help="redrafter, beyond the paper: fuse the target's states after these layers (0-based) with "
+                        "its last one, as EAGLE-3 (default: none, the paper's head)")
     g.add_argument("--init-from", metavar="PATH", help="start from this checkpoint's weights ('default': the drafter of "
                    "this kind shipped for the default target); a head's draft vocabulary rows are taken from a "
                    "full-vocabulary head")
@@ -117,7 +133,7 @@ def config_from(args: argparse.Namespace):
                        tokens=parse_count(args.tokens) if args.tokens else None,
                        budget_seconds=parse_duration(args.budget) if args.budget else None,
                        extract_share=args.extract_share, heldout_prompts=args.heldout_prompts,
-                       draft_vocab=args.draft_vocab, head=args.head, labels=args.labels, K=args.future_tokens, context=args.context, num_blocks=args.num_blocks if args.num_blocks is not None else (2 if args.drafter == "redrafter" else 1),
+                       draft_vocab=args.draft_vocab, head=args.head, labels=args.labels, K=args.future_tokens, context=args.context, feature_layers=parse_layers(args.feature_layers), num_blocks=args.num_blocks if args.num_blocks is not None else (2 if args.drafter == "redrafter" else 1),
                        epochs=args.epochs, max_steps=args.max_steps, batch_positions=args.batch_positions,
                        lr=args.lr if args.lr is not None else DEFAULT_LR[args.drafter], warmup=args.warmup,
                        loss=args.loss, copy_layers=args.copy_layers, gamma=args.gamma,

@@ -33,6 +33,8 @@ class DraftContext:
     recent:  for drafters with ``context_window`` > 0, each row's latest target states
              (``specdraft.recent.RecentStates``: states (B, C, d), hidden[b] in the last
              slot, paired with tokens[b][-C:]); None otherwise
+    features: for drafters with ``feature_layers``, (B, n, d) the target's states after
+             those layers at the token before g0 (where ``hidden`` is); None otherwise
     """
 
     tokens: list[torch.Tensor]
@@ -43,6 +45,7 @@ class DraftContext:
     request_ids: list[int] = field(default_factory=list)
     params: list = field(default_factory=list)
     recent: object | None = None
+    features: torch.Tensor | None = None
 
 
 @dataclass
@@ -76,6 +79,8 @@ class Drafter(ABC):
     # How many of each row's latest target states the drafter reads (DraftContext.recent);
     # the engine keeps them only when this is > 0.
     context_window: int = 0
+    # Target layers whose outputs the drafter reads (DraftContext.features); () for none.
+    feature_layers: tuple[int, ...] = ()
 
     def start(self, ctx: DraftContext) -> None:
         """A new batch was prefilled: ``ctx`` holds all its rows, in order."""

@@ -29,6 +29,10 @@ class CombinedDrafter(Drafter):
         self.name = "+".join(p.name for p in parts)
         self.acceptance_prior = max(p.acceptance_prior for p in parts)
         self.context_window = max(p.context_window for p in parts)  # each part reads the slots it needs
+        layers = {p.feature_layers for p in parts if p.feature_layers}
+        if len(layers) > 1:
+            raise SpecdraftError("the parts of a combined drafter read different target layers")
+        self.feature_layers = layers.pop() if layers else ()
 
     def start(self, ctx: DraftContext) -> None:
         for p in self.parts:

@@ -42,6 +42,7 @@ class ReDrafter(Drafter):
         fastpath.small_batch_linear(head)  # its few-row linears, like the target's (CPU)
         self.W, self.L = beam_shape(head.config, beam_width, beam_length)
         self.context_window = head.config.context
+        self.feature_layers = tuple(head.config.feature_layers)
 
     @classmethod
     def load(cls, path, target, beam_width: int | None = None, beam_length: int | None = None) -> "ReDrafter":
@@ -59,10 +60,13 @@ class ReDrafter(Drafter):
         return Proposal(beams=result.beams, valid=result.valid, confidence=beam_confidence(result))
 
     def root_states(self, ctx: DraftContext) -> torch.Tensor:
-        """(B, d) what the head starts from: h, or with context attention a_t over the
-        row's latest states paired with the tokens after them (its last C tokens, g0 last)."""
+        """(B, d) what the head starts from: h, fused with the target's states after its
+        feature layers (``ctx.features``) if the head reads them, then with context attention
+        a_t over the row's latest states paired with the tokens after them (its last C
+        tokens, g0 last)."""
+        hidden = self.head.fuse_features(ctx.hidden, ctx.features) if self.feature_layers else ctx.hidden
         if not self.context_window:
-            return ctx.hidden
+            return hidden
         recent, C = ctx.recent, ctx.recent.window
         after = torch.stack([torch.nn.functional.pad(t[-C:], (C - min(C, len(t)), 0)) for t in ctx.tokens])
-        return self.head.contextualize_recent(ctx.hidden, recent.states, after, recent.lengths)
+        return self.head.contextualize_recent(hidden, recent.states, after, recent.lengths)

@@ -94,13 +94,15 @@ class ReDrafterConfig(HeadConfig):
 
     context: C > 0 adds context attention over the last C target states
     (``heads.context``, beyond the paper); 0 is the paper's head. context_heads: its
-    attention heads (must divide hidden_size)."""
+    attention heads (must divide hidden_size). feature_layers: target layers (0-based)
+    whose outputs the head fuses with h (beyond the paper, as EAGLE-3); [] is the paper's."""
 
     KIND = "redrafter"
 
     num_blocks: int = 2
     context: int = 0
     context_heads: int = 1
+    feature_layers: list = field(default_factory=list)
 
     def validate(self) -> None:
         super().validate()
@@ -108,6 +110,11 @@ class ReDrafterConfig(HeadConfig):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise SpecdraftError(f"redrafter config: {name} must be an integer >= 0, got {value!r}")
+        layers = self.feature_layers
+        if not isinstance(layers, list) or any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in layers) \
+                or len(set(layers)) != len(layers):
+            raise SpecdraftError(f"redrafter config: feature_layers must be a list of distinct layer indices >= 0, "
+                                 f"got {layers!r}")
         heads = self.context_heads
         if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1 or self.hidden_size % heads:
             raise SpecdraftError(f"redrafter config: context_heads must be an integer >= 1 dividing hidden_size "

@@ -39,6 +39,10 @@ def check_compatible(config: HeadConfig, target, folder: str | Path) -> None:
         if mine != theirs:
             raise SpecdraftError(f"drafter {folder} has {key}={mine}, but the target {target.name} "
                                  f"has {key}={theirs}")
+    deepest = max(getattr(config, "feature_layers", None) or [-1])
+    if deepest >= target.num_layers:
+        raise SpecdraftError(f"drafter {folder} reads the target's layer {deepest}, but {target.name} has "
+                             f"{target.num_layers} layers")
 
 
 def load_head(folder: str | Path, target, head_class, config_class: type[HeadConfig]):

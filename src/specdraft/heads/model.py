@@ -22,9 +22,15 @@ ordinary distribution over V that is zero outside the draft vocabulary).
 logits_t is the drafter's distribution of x_{t+1}: with x_1 = g0 = the token after the
 last accepted one, logits_1 predicts the token after g0.
 
-Beyond the paper, ``config.context`` = C > 0 replaces h by a_t, context attention over
-the last C target states paired with their next tokens (``heads.context``; a fresh one
-starts as the identity, a_t = h_t): ``contextualize`` computes it, once per step.
+Beyond the paper, two options change what the head starts from (both start as the paper's
+head, and both are computed once per step):
+- ``config.feature_layers`` = [a, b, ...]: h is replaced by F·[rms(s^a) ; rms(s^b) ; ... ; h]
+  with s^l the target's residual stream after layer l at the same token and rms an RMS
+  normalisation without weights (EAGLE-3's fusion of low, middle and high layers; F starts
+  as [0 ... 0 I]): ``fuse_features``.
+- ``config.context`` = C > 0: then h is replaced by a_t, context attention over the last C
+  target states paired with their next tokens (``heads.context``; a fresh one starts as the
+  identity, a_t = h_t): ``contextualize``.
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ class ReDrafterHead(nn.Module):
     out.weight (V, 2d) for head "own", or proj.weight (d, 2d) for head "shared";
     with a draft vocabulary of N tokens: out.weight (N, 2d), and the buffers
     draft_vocab.d2t (N,) and draft_vocab.t2d (V,); with context C: context.* (see
-    ``ContextAttention``).
+    ``ContextAttention``); with feature layers a, b, ...: fuse.weight (d, (n+1)·d).
 
     The target's embeddings and LM head are used through ``parts`` and never stored.
     """
@@ -79,11 +85,18 @@ class ReDrafterHead(nn.Module):
             self.proj = nn.Linear(2 * d, d, bias=False)
         self.draft_vocab = DraftVocab(config.draft_vocab, V) if config.draft_vocab else None
         self.context = ContextAttention(d, config.context, config.context_heads) if config.context else None
+        self.fuse = None
+        if config.feature_layers:
+            n = len(config.feature_layers)
+            self.fuse = nn.Linear((n + 1) * d, d, bias=False)
+            with torch.no_grad():  # [0 ... 0 I]: a fresh fusion passes h through
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, n * d:] = torch.eye(d)
 
     @classmethod
     def for_target(cls, target, num_blocks: int = 2, head: str = "own", beam_width: int = 4,
                    beam_length: int = 5, draft_vocab: DraftVocab | None = None,
-                   context: int = 0) -> "ReDrafterHead":
+                   context: int = 0, feature_layers: list[int] | None = None) -> "ReDrafterHead":
         """A freshly initialised head for ``target`` (a ``specdraft.models.Target``),
         on the target's device, in float32; its output covers ``draft_vocab`` if given;
         ``context`` > 0 adds context attention over that many states (heads of width 64
@@ -93,7 +106,8 @@ class ReDrafterHead(nn.Module):
                                  num_blocks=num_blocks, head=head, beam_width=beam_width,
                                  beam_length=beam_length, target=target_signature(target),
                                  draft_vocab=draft_vocab.size if draft_vocab is not None else 0,
-                                 context=context, context_heads=d // 64 if d % 64 == 0 else 1)
+                                 context=context, context_heads=d // 64 if d % 64 == 0 else 1,
+                                 feature_layers=list(feature_layers or []))
         made = cls(config, TargetParts.of(target))
         if draft_vocab is not None:
             made.draft_vocab.set_ids(draft_vocab.ids())
@@ -132,7 +146,17 @@ class ReDrafterHead(nn.Module):
         """The recurrence with W·E[x_t] already computed: (..., d), (..., d) -> (..., d)."""
         return F.silu(embedded + self.rnn_u(state))
 
-    # ---- the context (config.context > 0) ---------------------------------------------
+    # ---- what the head starts from (beyond the paper) ----------------------------------
+
+    def fuse_features(self, hidden: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """F·[rms(s^a) ; ... ; h]: hidden (..., d), features (..., n, d) the target's states
+        after ``config.feature_layers`` at the same tokens -> (..., d). Identity without them."""
+        if self.fuse is None:
+            return hidden
+        dtype = self.fuse.weight.dtype
+        normed = F.rms_norm(features.to(dtype), (features.shape[-1],))  # residual streams grow with depth
+        return self.fuse(torch.cat([normed.flatten(-2), hidden.to(dtype)], dim=-1))
+
 
     def contextualize(self, hidden: torch.Tensor, support: torch.Tensor, support_next: torch.Tensor,
                       query: torch.Tensor, valid: torch.Tensor, slot: torch.Tensor | None = None) -> torch.Tensor:

@@ -30,6 +30,8 @@ Layout of a corpus folder:
         greedy.npy   int32 (S,)      greedy[u] as above
         pos.npy      int64 (P,)      index (into tokens) of each trained position t
         hidden.npy   int16 (P, d)    h_t, bfloat16 bits (numpy has no bfloat16)
+        features.npy int16 (P, n·d)  only with manifest "feature_layers" [a, b, ...]: the
+                                     residual stream after those target layers at t
         meta.json    sequences, tokens, positions, seconds
 A chunk is written to a temporary folder and renamed when complete, so an interrupted
 extraction loses at most the chunk in flight and resumes at the first missing chunk.
@@ -88,12 +90,16 @@ class ExtractReport:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def corpus_manifest(target, examples, seq_len: int) -> dict:
-    """What a corpus's states belong to: a corpus is only extended by the same settings."""
+def corpus_manifest(target, examples, seq_len: int, feature_layers: list[int] | None = None) -> dict:
+    """What a corpus's states belong to: a corpus is only extended by the same settings.
+    ``feature_layers``: also store the target's states after these layers."""
     from ..checkpoint import target_signature
 
-    return {"target": target_signature(target), "dtype": str(target.dtype).replace("torch.", ""),
-            "data": examples.describe, "fingerprint": examples.fingerprint(), "seq_len": seq_len}
+    manifest = {"target": target_signature(target), "dtype": str(target.dtype).replace("torch.", ""),
+                "data": examples.describe, "fingerprint": examples.fingerprint(), "seq_len": seq_len}
+    if feature_layers:
+        manifest["feature_layers"] = list(feature_layers)
+    return manifest
 
 
 def open_corpus(folder: Path, manifest: dict) -> None:
@@ -112,10 +118,12 @@ def open_corpus(folder: Path, manifest: dict) -> None:
     os.replace(tmp, path)
 
 
-def greedy_and_hidden(target, ids: list[list[int]], answer: list[list[bool]], max_batch_tokens: int):
+def greedy_and_hidden(target, ids: list[list[int]], answer: list[list[bool]], max_batch_tokens: int,
+                      feature_layers: tuple[int, ...] = ()):
     """One target pass over sequences (right-padded, grouped by length); yields per
     sequence (greedy (T,) int32 numpy, trained positions (P,) int64 numpy, hidden (P, d)
-    bfloat16) in input order. The LM head runs only where an answer slot follows."""
+    bfloat16, features (P, n, d) after ``feature_layers`` or None) in input order. The LM
+    head runs only where an answer slot follows."""
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     results: dict[int, tuple] = {}
     start = 0
@@ -132,7 +140,9 @@ def greedy_and_hidden(target, ids: list[list[int]], answer: list[list[bool]], ma
         # No attention mask: the padding is on the right, and under causal attention a real
         # token never sees a later one, so its state is the unpadded one; without a mask
         # the attention takes its fused causal kernel (a padding mask: 2-3x slower on CPU).
-        hidden = target.base(input_ids=batch.to(target.device)).last_hidden_state
+        with target.layer_outputs(feature_layers) as seen:
+            hidden = target.base(input_ids=batch.to(target.device)).last_hidden_state
+        feats = torch.stack([seen[layer] for layer in feature_layers], dim=2) if feature_layers else None
         for r, i in enumerate(group):
             a = torch.tensor(answer[i], dtype=torch.bool)
             n = len(ids[i])
@@ -144,27 +154,32 @@ def greedy_and_hidden(target, ids: list[list[int]], answer: list[list[bool]], ma
             trained = torch.zeros(n, dtype=torch.bool)  # a_{t+2}
             trained[:-2] = a[2:]
             pos = trained.nonzero().flatten()
-            results[i] = (greedy.numpy(), pos.numpy().astype(np.int64), hidden[r, pos.to(hidden.device)])
+            at = pos.to(hidden.device)
+            results[i] = (greedy.numpy(), pos.numpy().astype(np.int64), hidden[r, at],
+                          None if feats is None else feats[r, at])
         start = end
     for i in range(len(ids)):
         yield results.pop(i)
 
 
-def write_chunk(folder: Path, k: int, examples, target, max_batch_tokens: int) -> dict:
+def write_chunk(folder: Path, k: int, examples, target, max_batch_tokens: int,
+                feature_layers: tuple[int, ...] = ()) -> dict:
     """Extract the given examples into chunk ``k`` (atomically); returns its meta."""
     begin = time.perf_counter()
     ids = [list(e.input_ids) for e in examples]
     answer = [[y != IGNORE for y in e.labels] for e in examples]
-    tokens, answers, greedies, positions, hiddens = [], [], [], [], []
+    tokens, answers, greedies, positions, hiddens, features = [], [], [], [], [], []
     offset = 0
     with torch.inference_mode():
-        for seq, ans, (greedy, pos, hidden) in zip(ids, answer, greedy_and_hidden(target, ids, answer,
-                                                                                 max_batch_tokens)):
+        for seq, ans, (greedy, pos, hidden, feats) in zip(ids, answer, greedy_and_hidden(
+                target, ids, answer, max_batch_tokens, feature_layers)):
             tokens.append(np.asarray(seq, dtype=np.int32))
             answers.append(np.asarray(ans, dtype=bool))
             greedies.append(greedy)
             positions.append(pos + offset)
             hiddens.append(bf16_to_int16(hidden))
+            if feats is not None:
+                features.append(bf16_to_int16(feats.flatten(1)))
             offset += len(seq)
     d = int(target.hidden_size)
     arrays = {"tokens": np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
@@ -172,6 +187,8 @@ def write_chunk(folder: Path, k: int, examples, target, max_batch_tokens: int) -
               "greedy": np.concatenate(greedies) if greedies else np.zeros(0, np.int32),
               "pos": np.concatenate(positions) if positions else np.zeros(0, np.int64),
               "hidden": np.concatenate(hiddens) if hiddens else np.zeros((0, d), np.int16)}
+    if feature_layers:
+        arrays["features"] = np.concatenate(features) if features else np.zeros((0, len(feature_layers) * d), np.int16)
     meta = {"sequences": len(ids), "tokens": int(offset), "positions": int(arrays["pos"].shape[0]),
             "seconds": round(time.perf_counter() - begin, 3)}
     final = folder / chunk_name(k)
@@ -208,7 +225,7 @@ def extract(target, examples, folder: str | Path, manifest: dict, chunk: int = 1
             if (max_tokens is not None and have >= max_tokens) or (deadline is not None and time.monotonic() > deadline):
                 break
             part = [examples[i] for i in range(k * chunk, min((k + 1) * chunk, len(examples)))]
-            meta = write_chunk(folder, k, part, target, max_batch_tokens)
+            meta = write_chunk(folder, k, part, target, max_batch_tokens, tuple(manifest.get("feature_layers", ())))
             have += meta["tokens"]
             report.chunks_done += 1
             report.sequences += meta["sequences"]
@@ -234,6 +251,7 @@ class Corpus:
         if not (self.folder / MANIFEST).is_file():
             raise SpecdraftError(f"{self.folder} is not a specdraft corpus (no {MANIFEST})")
         self.manifest = json.loads((self.folder / MANIFEST).read_text())
+        self.feature_layers = list(self.manifest.get("feature_layers", []))  # states stored beside h_t
         metas = self.chunk_metas(self.folder)
         self.chunks = sorted(metas) if chunks is None else list(chunks)
         missing = [k for k in self.chunks if k not in metas]
@@ -256,8 +274,8 @@ class Corpus:
 
     def _open(self, k: int) -> dict:
         base = self.folder / chunk_name(k)
-        return {name: np.load(base / f"{name}.npy", mmap_mode="r", allow_pickle=False)
-                for name in ("tokens", "answer", "greedy", "pos", "hidden")}
+        names = ("tokens", "answer", "greedy", "pos", "hidden") + (("features",) if self.feature_layers else ())
+        return {name: np.load(base / f"{name}.npy", mmap_mode="r", allow_pickle=False) for name in names}
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -298,8 +316,11 @@ class Corpus:
         if window and len(flat):
             windows = self._windows(flat, chunk_of, t_of, window)  # (needs consecutive runs: blocks)
         hidden = self._hidden(flat, chunk_of)
+        features = self._hidden(flat, chunk_of, "features").view(len(flat), len(self.feature_layers), -1) \
+            if self.feature_layers else None
         return PositionBatch(hidden=hidden, inputs=torch.from_numpy(inputs), labels=torch.from_numpy(labels),
-                             chunk=torch.from_numpy(chunk_of), t=torch.from_numpy(t_of), window=windows)
+                             chunk=torch.from_numpy(chunk_of), t=torch.from_numpy(t_of), window=windows,
+                             features=features)
 
     def _t_of(self, flat: np.ndarray, chunk_of: np.ndarray) -> np.ndarray:
         """Token index (within its chunk) of each flat position."""
@@ -309,14 +330,14 @@ class Corpus:
             t_of[rows] = self.arrays[c]["pos"][flat[rows] - self.starts[c]]
         return t_of
 
-    def _hidden(self, flat: np.ndarray, chunk_of: np.ndarray) -> torch.Tensor:
-        """(N, d) bfloat16 h_t of the flat positions."""
-        hidden = np.empty((len(flat), self.arrays[0]["hidden"].shape[1]) if self.arrays else (0, 0), dtype=np.int16)
+    def _hidden(self, flat: np.ndarray, chunk_of: np.ndarray, name: str = "hidden") -> torch.Tensor:
+        """(N, width) bfloat16 rows of the array ``name`` ("hidden": h_t) at the flat positions."""
+        hidden = np.empty((len(flat), self.arrays[0][name].shape[1]) if self.arrays else (0, 0), dtype=np.int16)
         for c in np.unique(chunk_of):
             rows = np.nonzero(chunk_of == c)[0]
             local = flat[rows] - self.starts[c]
             order = np.argsort(local)  # sorted reads are kinder to the page cache
-            hidden[rows[order]] = self.arrays[c]["hidden"][local[order]]
+            hidden[rows[order]] = self.arrays[c][name][local[order]]
         return int16_to_bf16(hidden)
 
     def _windows(self, flat: np.ndarray, chunk_of: np.ndarray, t_of: np.ndarray, C: int, Q: int = 16):
@@ -380,8 +401,9 @@ class Corpus:
 class PositionBatch:
     """hidden (N, d) bfloat16 h_t; inputs (N, K) long, the tokens fed at depths 0..K-1;
     labels (N, K) long (-100: no label, prefix-closed); chunk, t (N,) where each came from;
-    window: None, or the context windows (``Corpus._windows``), the last four arguments
-    of ``ReDrafterHead.contextualize``."""
+    window: None, or the context windows (``Corpus._windows``), the arguments of
+    ``ReDrafterHead.contextualize`` after h_t; features: None, or (N, n, d) the target's
+    states after the corpus's feature layers."""
 
     hidden: torch.Tensor
     inputs: torch.Tensor
@@ -389,6 +411,7 @@ class PositionBatch:
     chunk: torch.Tensor
     t: torch.Tensor
     window: tuple | None = None
+    features: torch.Tensor | None = None  # (N, n, d) bf16: the states after the corpus's feature layers
 
 
 def to_device(window: tuple | None, device) -> tuple | None:

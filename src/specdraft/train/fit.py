@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +81,7 @@ class FitConfig:
     K: int = 4
     num_blocks: int = 2
     context: int = 0  # redrafter: context attention over the last N target states (0: the paper's head)
+    feature_layers: list[int] = field(default_factory=list)  # redrafter: fuse these target layers' states with h
     epochs: int = 2
     max_steps: int | None = None  # cap on optimizer steps (the LR schedule spans the cap)
     batch_positions: int = 1024
@@ -122,6 +123,8 @@ class FitConfig:
             raise SpecdraftError(f"max-steps must be >= 1, got {self.max_steps}")
         if self.data_offset < 0:
             raise SpecdraftError(f"data-offset must be >= 0, got {self.data_offset}")
+        if self.feature_layers and self.drafter != "redrafter":
+            raise SpecdraftError(f"--feature-layers is a redrafter option, not {self.drafter}'s")
         if self.context < 0 or (self.context and self.drafter != "redrafter"):
             raise SpecdraftError(f"--context must be >= 0 and is a redrafter option, got {self.context} "
                                  f"for {self.drafter}")
@@ -182,7 +185,9 @@ class CorpusTask:
 
     def loss(self, model, mb: PositionBatch, denom: torch.Tensor):
         d = self.device
-        loss, stats = model(mb.hidden.to(d), mb.inputs.to(d), mb.labels.to(d), None, denom, to_device(mb.window, d))
+        features = None if mb.features is None else mb.features.to(d)
+        loss, stats = model(mb.hidden.to(d), mb.inputs.to(d), mb.labels.to(d), None, denom, to_device(mb.window, d),
+                            features)
         return loss, torch.cat([stats.flatten(), mb.oov.float().to(stats.device)])
 
     def sync(self, accelerator) -> None:
@@ -220,7 +225,8 @@ def build_corpora(config: FitConfig, target, budget: Budget) -> tuple[Corpus, Co
     if not config.heldout_data:
         heldout_answers(config, target, held_path)
     held = load_examples(str(held_path), target.tokenizer, seq_len=config.seq_len, K=config.K, eos_ids=target.eos_ids)
-    extract(target, held, out / "heldout-corpus", corpus_manifest(target, held, config.seq_len), chunk=16,
+    layers = config.feature_layers
+    extract(target, held, out / "heldout-corpus", corpus_manifest(target, held, config.seq_len, layers), chunk=16,
             progress=False)
     if latest_checkpoint(out / "train") is not None:
         # Training has begun on the corpus as it stands (its checkpoints record which chunks):
@@ -228,7 +234,7 @@ def build_corpora(config: FitConfig, target, budget: Budget) -> tuple[Corpus, Co
         return Corpus(out / "corpus"), Corpus(out / "heldout-corpus")
     train = load_examples(config.data, target.tokenizer, seq_len=config.seq_len, K=config.K,
                           eos_ids=target.eos_ids).skip(config.data_offset)
-    report = extract(target, train, out / "corpus", corpus_manifest(target, train, config.seq_len),
+    report = extract(target, train, out / "corpus", corpus_manifest(target, train, config.seq_len, layers),
                      max_tokens=config.tokens, deadline=budget.deadline(config.extract_share),
                      progress=config.progress)
     if report.tokens:
@@ -272,7 +278,8 @@ def build_objective(config: FitConfig, target, vocab: DraftVocab | None):
     else:
         head = ReDrafterHead.for_target(target, num_blocks=config.num_blocks, head=config.head,
                                         beam_width=config.beam_width, beam_length=config.beam_length,
-                                        draft_vocab=vocab, context=config.context)
+                                        draft_vocab=vocab, context=config.context,
+                                        feature_layers=config.feature_layers)
     if config.init_from:
         warm_start(head, type(head).load(checkpoint_path(config.drafter, config.init_from), target))
     elif config.head == "shared" and config.drafter == "redrafter":
@@ -302,8 +309,8 @@ def warm_start(head: torch.nn.Module, warm: torch.nn.Module) -> None:
                                  f"({tuple(mine[name].shape) if name in mine else 'absent'}); use the same "
                                  "--head and --num-blocks as the checkpoint")
         loaded[name] = value.float()
-    # A context head may start from a paper head: its context attention starts as the identity.
-    missing = [k for k in mine if k not in loaded and not k.startswith(("draft_vocab.", "context."))]
+    # A head with context or feature layers may start from a paper head: those parts start as the identity.
+    missing = [k for k in mine if k not in loaded and not k.startswith(("draft_vocab.", "context.", "fuse."))]
     if missing:
         raise SpecdraftError(f"--init-from: the checkpoint has no {', '.join(missing)}; use the same --head and "
                              "--num-blocks as the checkpoint")
@@ -368,7 +375,7 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
 
 
 def signature(config: FitConfig) -> dict:
-    keep = ("drafter", "draft_vocab", "head", "K", "num_blocks", "context", "epochs", "max_steps", "lr", "warmup", "weight_decay", "seed", "init_from",
+    keep = ("drafter", "draft_vocab", "head", "K", "num_blocks", "context", "feature_layers", "epochs", "max_steps", "lr", "warmup", "weight_decay", "seed", "init_from",
             "target", "dtype")
     return {k: getattr(config, k) for k in keep}
 

@@ -49,7 +49,9 @@ class CorpusEvaluator:
             valid = mb.labels.to(self.device) != IGNORE  # OOV labels count as misses
             right = torch.zeros_like(valid)
             window = to_device(mb.window, self.device)
-            for i, logits in model.depth_logits(mb.hidden.to(self.device), mb.inputs.to(self.device), valid, window):
+            features = None if mb.features is None else mb.features.to(self.device)
+            for i, logits in model.depth_logits(mb.hidden.to(self.device), mb.inputs.to(self.device), valid, window,
+                                                features):
                 right[valid[:, i], i] = logits.argmax(-1) == labels[valid[:, i], i]
             hits += right.sum(0).cpu().numpy()
             count += valid.sum(0).cpu().numpy()

@@ -77,13 +77,18 @@ class HeadObjective(nn.Module):
         self.K, self.kl_weight, self.topk = K, kl_weight, topk
 
     def depth_logits(self, hidden: torch.Tensor, inputs: torch.Tensor, valid: torch.Tensor,
-                     window: tuple | None = None):
+                     window: tuple | None = None, features: torch.Tensor | None = None):
         """Yield (i, logits (n_i, N) float32) for depth i at the rows ``valid[:, i]``, over
         the head's output vocabulary (its draft vocabulary if it has one, else all V);
         labels must be in that space (``corpus.to_output_space``).
         hidden (N, d); inputs (N, K) long, the tokens fed at depths 0..K-1; window: the
-        context windows (``corpus.PositionBatch.window``) for a head with context."""
+        context windows (``corpus.PositionBatch.window``) for a head with context; features
+        (N, n, d) the target's states after its feature layers, for a head that fuses them."""
         head = self.head
+        if getattr(head, "fuse", None) is not None:
+            if features is None:
+                raise SpecdraftError("a head with feature layers trains only through `specdraft fit`")
+            hidden = head.fuse_features(hidden, features)
         if getattr(head, "context", None) is not None:
             if window is None:
                 raise SpecdraftError("a head with context attention trains only through `specdraft fit`")
@@ -100,17 +105,18 @@ class HeadObjective(nn.Module):
             yield i, head.draft_logits(hidden[valid[:, i]], state[valid[:, i]])
 
     def forward(self, hidden: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor,
-                target_hidden: torch.Tensor | None, denom: torch.Tensor, window: tuple | None = None):
+                target_hidden: torch.Tensor | None, denom: torch.Tensor, window: tuple | None = None,
+                features: torch.Tensor | None = None):
         """hidden (N, d) h_t; inputs, labels (N, K); target_hidden (N, K, d) the target's
         states that predict each label (for KL) or None; denom (K,) float normalisers;
-        window as in ``depth_logits``.
+        window, features as in ``depth_logits``.
         Returns the loss (scalar) and stats (K, 5): ce sum, kl sum, top-1 and top-k hits, count."""
         valid = labels != IGNORE
         stats = torch.zeros(self.K, len(STATS), device=hidden.device)
         # Every parameter enters the graph even when this micro-batch holds no label: DDP
         # expects a gradient for each parameter from every process.
         loss = sum(p.sum() for p in self.parameters()) * 0.0
-        for i, logits in self.depth_logits(hidden, inputs, valid, window):
+        for i, logits in self.depth_logits(hidden, inputs, valid, window, features):
             if logits.shape[0] == 0:
                 continue
             y = labels[valid[:, i], i]

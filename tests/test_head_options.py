@@ -1,5 +1,6 @@
-"""ReDrafter with context attention (``heads.context``, ``--context C``): the engine's
-window of recent target states, exactness, and that a fresh context head is the paper's."""
+"""ReDrafter beyond the paper: context attention (``heads.context``, ``--context C``) and
+fused feature layers (``--feature-layers``). The engine's window of recent target states
+and its feature-layer states, exactness, and that a fresh head of either kind is the paper's."""
 
 from __future__ import annotations
 
@@ -136,3 +137,71 @@ def test_a_context_head_round_trips(tiny_target, tmp_path):
     drafter = ReDrafter(loaded)
     assert drafter.context_window == C
     assert run(tiny_target, drafter, PROMPTS) == run(tiny_target, NoDrafter(), PROMPTS)
+
+
+# ---- fused feature layers ----------------------------------------------------------------------
+
+LAYERS = [0, 1]
+
+
+def fused_head(target, seed=0, **kw) -> ReDrafterHead:
+    """A head whose fusion is not the identity (F random)."""
+    torch.manual_seed(seed)
+    head = ReDrafterHead.for_target(target, feature_layers=LAYERS, **kw)
+    with torch.no_grad():
+        head.fuse.weight.normal_(0, 0.3)
+    return head.eval().requires_grad_(False)
+
+
+def test_a_fresh_fused_head_is_the_papers_head(tiny_target):
+    torch.manual_seed(0)
+    fresh = ReDrafterHead.for_target(tiny_target, feature_layers=LAYERS).eval()
+    paper = ReDrafterHead.for_target(tiny_target).eval()
+    paper.load_state_dict({k: v for k, v in fresh.state_dict().items() if not k.startswith("fuse.")})
+    h = torch.randn(3, tiny_target.hidden_size)
+    features = torch.randn(3, len(LAYERS), tiny_target.hidden_size) * 5
+    assert torch.equal(fresh.fuse_features(h, features), h)
+    kw = dict(beam_width=2, beam_length=3)
+    assert run(tiny_target, ReDrafter(fresh, **kw), PROMPTS) == run(tiny_target, ReDrafter(paper, **kw), PROMPTS)
+
+
+@pytest.mark.parametrize("variant", ["own", "shared"])
+def test_greedy_output_is_the_targets_with_feature_layers(tiny_target, variant):
+    drafter = ReDrafter(fused_head(tiny_target, head=variant, context=C), beam_width=3, beam_length=4)
+    assert drafter.feature_layers == tuple(LAYERS)
+    plain = run(tiny_target, NoDrafter(), PROMPTS)
+    assert run(tiny_target, drafter, PROMPTS) == plain
+    assert [run(tiny_target, drafter, [p])[0] for p in PROMPTS] == plain
+
+
+def test_the_engines_feature_states_are_the_targets(tiny_target):
+    """At every step, ctx.features is the target's states after the feature layers at the
+    token before g0, as one full pass over the final text computes them (verify steps and
+    plain steps alike)."""
+    seen = []
+
+    class Recording(ReDrafter):
+        def propose(self, ctx):
+            seen.extend((i, len(t), ctx.features[b].clone()) for b, (i, t) in enumerate(zip(ctx.request_ids, ctx.tokens)))
+            if len(seen) % 2:
+                return single_beam(ctx.g0)
+            return super().propose(ctx)
+
+    out = run(tiny_target, Recording(fused_head(tiny_target), beam_width=2, beam_length=3), PROMPTS)
+    checked = 0
+    for i, (prompt, generated) in enumerate(zip(PROMPTS, out)):
+        with torch.no_grad(), tiny_target.layer_outputs(tuple(LAYERS)) as states:
+            tiny_target.base(input_ids=torch.tensor([prompt + generated]))
+        for n, features in [(n, f) for j, n, f in seen if j == i]:
+            want = torch.stack([states[layer][0, n - 2] for layer in LAYERS])
+            assert torch.allclose(features, want, atol=1e-5), (prompt, n)
+            checked += 1
+    assert checked > 20
+
+
+def test_a_head_reading_missing_layers_is_refused(tiny_target, tmp_path):
+    from specdraft.errors import SpecdraftError
+
+    ReDrafterHead.for_target(tiny_target, feature_layers=[tiny_target.num_layers]).save(tmp_path / "h")
+    with pytest.raises(SpecdraftError, match="layers"):
+        ReDrafterHead.load(tmp_path / "h", tiny_target)
