@@ -5,6 +5,10 @@ trained by different runs compare on the same held-out answers.
     .venv/bin/python scripts/score_head.py --heldout runs/fit-own8k/heldout-corpus \
         redrafter:default redrafter:runs/fit-own8k/final
 
+A head that reads feature layers (``--feature-layers``) needs them in the corpus: with
+``--heldout-data FILE.jsonl --corpus-dir DIR`` each head is scored on a held-out corpus
+extracted from that file with its own feature layers (kept in DIR for the next call).
+
 Prints one JSON line per head.
 """
 
@@ -24,18 +28,37 @@ from specdraft.train.heads import HeadObjective
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("heads", nargs="+", help="redrafter:PATH or medusa:PATH ('default': the shipped one)")
-    parser.add_argument("--heldout", required=True, help="a fit's OUT/heldout-corpus")
+    parser.add_argument("--heldout", help="a fit's OUT/heldout-corpus")
+    parser.add_argument("--heldout-data", help="or: a distill file of the target's answers, extracted per head")
+    parser.add_argument("--corpus-dir", default="runs/score-corpora", help="where --heldout-data's corpora go")
     parser.add_argument("--target", default="default")
     parser.add_argument("-K", type=int, default=4)
     args = parser.parse_args()
     target = load_target(args.target, dtype="auto")
-    held = Corpus(args.heldout)
     for spec in args.heads:
         kind, _, path = spec.partition(":")
         cls = MedusaHeads if kind == "medusa" else ReDrafterHead
         head = cls.load(checkpoint_path(kind, path), target).float()
-        found = CorpusEvaluator(held, head.draft_vocab, args.K, target.device)(HeadObjective(head, args.K))
+        layers = list(getattr(head.config, "feature_layers", []))
+        held = Corpus(args.heldout) if args.heldout else heldout_corpus(target, args, layers)
+        evaluator = CorpusEvaluator(held, head.draft_vocab, args.K, target.device,
+                                    window=getattr(head.config, "context", 0))
+        found = evaluator(HeadObjective(head, args.K))
         print(json.dumps({"head": spec, **found}), flush=True)
+
+
+def heldout_corpus(target, args, layers: list[int]) -> Corpus:
+    """``--heldout-data`` extracted with the feature layers ``layers`` (once per set of layers)."""
+    from pathlib import Path
+
+    from specdraft.train.corpus import corpus_manifest, extract
+    from specdraft.train.examples import load_examples
+
+    examples = load_examples(args.heldout_data, target.tokenizer, seq_len=1024, K=args.K, eos_ids=target.eos_ids)
+    name = Path(args.heldout_data).stem + "-layers-" + ("-".join(map(str, layers)) or "none")
+    folder = Path(args.corpus_dir) / name
+    extract(target, examples, folder, corpus_manifest(target, examples, 1024, layers), chunk=16, progress=False)
+    return Corpus(folder)
 
 
 if __name__ == "__main__":
