@@ -196,13 +196,7 @@ class SpeculativeEngine:
             cache.commit(acc.path, acc.n)
             path_tokens = tree.tokens.gather(1, acc.path)
             self.drafter.observe(ctx, path_tokens, acc.n)
-            every = torch.arange(len(batch.rows), device=tree_hidden.device)
-            batch.hidden = tree_hidden[every, acc.last]
-            if tree_features is not None:
-                batch.features = tree_features[every, acc.last]
-            if batch.recent is not None:  # every accepted token's state, g0's first
-                batch.recent.push(tree_hidden.gather(1, acc.path[:, :, None].expand(-1, -1, tree_hidden.shape[-1])),
-                                  acc.n)
+            self._keep_states(batch, tree_hidden, tree_features, acc)
             # Drafted depth offered per row: the longest valid beam, g0 not counted.
             offered = (proposal.valid.any(dim=1).sum(dim=-1) - 1).tolist()
             if stats is not None:
@@ -225,6 +219,18 @@ class SpeculativeEngine:
             self.policy.observe_step(True, len(stats), tree.tokens.numel(), width, time.perf_counter() - step_start - drafting)
             self._judge_look(stats, acc.n, step_start, width)
         return events
+
+    @staticmethod
+    def _keep_states(batch: Batch, tree_hidden: torch.Tensor, tree_features: torch.Tensor | None,
+                     acc: Acceptance) -> None:
+        """After verification: the target's state at each row's last accepted token (and its
+        feature-layer states, its recent states) for the next step's drafter."""
+        every = torch.arange(len(batch.rows), device=tree_hidden.device)
+        batch.hidden = tree_hidden[every, acc.last]
+        if tree_features is not None:
+            batch.features = tree_features[every, acc.last]
+        if batch.recent is not None:  # every accepted token's state, g0's first
+            batch.recent.push(tree_hidden.gather(1, acc.path[:, :, None].expand(-1, -1, tree_hidden.shape[-1])), acc.n)
 
     def _judge_look(self, stats, n_accepted: torch.Tensor | None, step_start: float, width: int) -> None:
         """Tell the policy what a look step (drafted although the rates said off) gained:
