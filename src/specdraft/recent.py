@@ -43,10 +43,8 @@ class RecentStates:
         ``right_aligned``, its last n[b]) in order, oldest first."""
         B, m, _ = new.shape
         C = self.window
-        if right_aligned:  # the real states end at column m: shift nothing
-            joined, ends = torch.cat([self.states, new], dim=1), torch.full_like(n, C + m)
-        else:
-            joined, ends = torch.cat([self.states, new], dim=1), C + n
+        joined = torch.cat([self.states, new], dim=1)
+        ends = torch.full_like(n, C + m) if right_aligned else C + n  # where each row's newest state sits
         take = ends[:, None] - C + torch.arange(C, device=new.device)  # the C slots ending at each row's last state
         self.states = joined.gather(1, take[:, :, None].expand(-1, -1, joined.shape[-1]))
         self.lengths = (self.lengths + n).clamp(max=C)
