@@ -16,7 +16,7 @@ import torch
 import test_sampling_exact as exact
 from drafters_for_tests import RandomBeamsDrafter
 from specdraft.adaptive import (EXPLORE_SHARE, PROBE_START, LOOK_MAX_ROWS, LOOK_PAUSE, LOOK_SHARE, LOOK_TRIAL, SLACK, AdaptivePolicy,
-                                RowStats, best_size, children_confidence)
+                                RowStats, best_size, children_confidence, finish_weights)
 from specdraft.costmodel import CostModel, cost_model_key, cost_model_path, load_cost_model
 from specdraft.drafters import LookupDrafter, NoDrafter
 from specdraft.drafters.base import DraftContext, Drafter, Proposal
@@ -83,6 +83,48 @@ def test_plan_known_cases():
 
 def test_best_size_ties_pick_the_cheaper_size():
     assert best_size([[0.0, 0.0, 0.0]], [2], lambda n: 1.0) == 0
+
+
+def test_finish_weights_follow_the_rows_that_lag():
+    assert finish_weights([128, 128, 128, 128]) == pytest.approx([1.0] * 4)  # level: throughput
+    w = finish_weights([100, 100, 80])  # sigma = sqrt(100) / 2 = 5: 20 tokens ahead is 4 sigma
+    assert sum(w) == pytest.approx(3.0)
+    assert w == pytest.approx([1.4864, 1.4864, 0.0272], abs=1e-3)
+    assert finish_weights([7]) == [1.0]
+    assert finish_weights([]) == []
+
+
+def test_a_static_batch_drafts_by_the_rows_that_finish_last():
+    """Two rows, one the drafter is good at (0.9) and one it is bad at (0.1): by throughput,
+    depth 1 pays on LINEAR ((2 + 1.0) / 1.3 against 2 / 1.1); when the bad row lags, its
+    progress alone decides and drafting is off; when the good row lags, it drafts."""
+    rows = lambda: [stats_with([0.9] * 4), stats_with([0.1] * 4)]  # noqa: E731
+    budget = torch.tensor([5, 5])
+    assert AdaptivePolicy(LINEAR).plan(rows(), budget, 0) > 0
+    assert AdaptivePolicy(LINEAR).plan(rows(), budget, 0, finish_weights([20, 60])) == 0
+    assert AdaptivePolicy(LINEAR).plan(rows(), budget, 0, finish_weights([60, 20])) > 0
+
+
+def test_generate_weighs_rows_by_finish_and_continuous_batching_does_not(tiny_target):
+    """``generate`` (a static batch) gives the policy finish weights; a batch that admits
+    requests (the server's loop: ``start`` + ``step``) gives none."""
+    seen = []
+
+    class Spy(AdaptivePolicy):
+        def plan(self, stats, budget, width, weights=None):
+            seen.append(weights)
+            return super().plan(stats, budget, width, weights)
+
+    engine = SpeculativeEngine(tiny_target, LookupDrafter(1, 4), policy=Spy(LINEAR))
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 6)]
+    engine.generate(PROMPTS[:2], params)
+    assert seen and all(w is not None for w in seen)
+    assert seen[0] == pytest.approx(finish_weights([11, 5]))  # prefill gave each row its first token
+    seen.clear()
+    batch, _ = engine.start(PROMPTS[:2], params)
+    while batch.rows:
+        engine.step(batch)
+    assert seen and all(w is None for w in seen)
 
 
 class FixedTree(Drafter):

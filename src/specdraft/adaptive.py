@@ -27,7 +27,8 @@ Three parts, all plain objects the engine takes (tests pass synthetic ones):
       n* = argmax_n  (B + sum_b sum_{top min(n, count_b) nodes of b} v)
                      / (cost(B (1 + n), width, B) r(n > 0) + draft(n))
 
-  (r: the step-cost ratio of the step's kind), exact for the padded cost model: since v
+  (r: the step-cost ratio of the step's kind; in a static batch each row's sum is weighed
+  by its chance to finish last, ``finish_weights``), exact for the padded cost model: since v
   never grows along a path (p <= 1), each row's top-k nodes form a prefix-closed subtree,
   and every row may fill up to n at no extra cost. Ties pick the smaller n (cheaper).
 
@@ -146,20 +147,41 @@ class RowStats:
         return self.off_streak >= self.probe_every
 
 
-def best_size(gains: list[list[float]], counts: list[int], seconds) -> int:
+def best_size(gains: list[list[float]], counts: list[int], seconds, weights: list[float] | None = None) -> int:
     """The batch's node count n maximising expected tokens per second.
 
     gains[b][k] = expected accepted drafted tokens of row b's best k nodes (gains[b][0] = 0,
     non-decreasing, k <= counts[b]); seconds(n): step time when the longest row verifies
-    1 + n tokens. Ties: smallest n. Plain Python: B x (n + 1) <= 16 x 17 additions cost
-    less than the torch ops that would do them (each ~10 us on the host)."""
+    1 + n tokens; weights[b] (summing to B, default 1 each): what row b's tokens are worth
+    (``finish_weights``). Ties: smallest n. Plain Python: B x (n + 1) <= 16 x 17 additions
+    cost less than the torch ops that would do them (each ~10 us on the host)."""
     B = len(gains)
+    weights = weights or [1.0] * B
     best, best_rate = 0, -1.0
     for n in range(max(counts, default=0) + 1):
-        rate = (B + sum(g[min(n, c)] for g, c in zip(gains, counts))) / seconds(n)
+        rate = (B + sum(w * g[min(n, c)] for g, c, w in zip(gains, counts, weights))) / seconds(n)
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = n, rate
     return best
+
+
+def finish_weights(remaining: list[int]) -> list[float]:
+    """What each row's accepted tokens are worth in a *static* batch (``engine.generate``:
+    the call returns when its last row finishes), as weights summing to B.
+
+    remaining[b]: tokens row b may still generate. A row well ahead of the one with the most
+    left will not be the last to finish, so what it accepts does not shorten the call; the
+    rows that lag decide. Row b's lead d_b = r_max - r_b is weighed against the spread of
+    the rows' finishing points, sigma = sqrt(r_max) / 2 (each step's accepted count is a
+    draw of variance <= 1/4 per drafted token): w_b ∝ exp(-d_b / sigma). Rows that are
+    level (a batch just started) weigh 1 each: the throughput objective. Example: remaining
+    [100, 100, 80] -> sigma 5, weights ≈ [1.49, 1.49, 0.03]. Under continuous batching
+    (the server) a finished row's slot is refilled at once and every token counts: no weights."""
+    top = max(remaining, default=0)
+    sigma = max(math.sqrt(top) / 2, 0.5)
+    raw = [math.exp(-(top - r) / sigma) for r in remaining]
+    scale = len(raw) / sum(raw) if raw else 0.0
+    return [w * scale for w in raw]
 
 
 def chain_gains(values: list[float]) -> list[float]:
@@ -221,10 +243,12 @@ class AdaptivePolicy:
         self.step_ratio.record(tree, rows, seconds, self.cost(tokens, width, rows))
         self.probe_credit += EXPLORE_SHARE * seconds
 
-    def plan(self, stats: list[RowStats], budget: torch.Tensor, width: int) -> int:
+    def plan(self, stats: list[RowStats], budget: torch.Tensor, width: int,
+             weights: list[float] | None = None) -> int:
         """Depth to draft this step (0: drafting off, no drafter call), from the rates alone.
 
-        budget (B,): tokens a row may hold, g0 included (so it drafts <= budget - 1).
+        budget (B,): tokens a row may hold, g0 included (so it drafts <= budget - 1);
+        weights: what each row's tokens are worth (``finish_weights``; None: 1 each).
         ``self.probing`` says whether the depth is a probe's (``afford_probe``)."""
         self.probing = self.looking = False
         counts = (budget - 1).clamp(min=0, max=MAX_DEPTH).tolist()
@@ -237,12 +261,12 @@ class AdaptivePolicy:
         # a match add nothing but still pad the tree): the rates are given an offer.
         gains = [[g * s.offer_rate for g in chain_gains(s.rates(depth))] for s in stats]
         seconds = self.seconds(len(stats), width)
-        n = best_size(gains, counts, seconds)
+        n = best_size(gains, counts, seconds, weights)
         if n == 0 and len(stats) <= LOOK_MAX_ROWS and not any(s.look_pause for s in stats) and \
                 self.look_is_cheap(seconds, depth):
             self.looking = True
             return depth
-        self.probing = n == 0 and self.afford_probe(stats, counts, seconds)
+        self.probing = n == 0 and self.afford_probe(stats, counts, seconds, weights)
         return 1 if self.probing else n
 
     def look_is_cheap(self, seconds, depth: int) -> bool:
@@ -268,7 +292,7 @@ class AdaptivePolicy:
                 s.look_saved, s.look_count = 0.0, 0
 
     @staticmethod
-    def probe_could_pay(stats: list[RowStats], counts: list[int], seconds) -> bool:
+    def probe_could_pay(stats: list[RowStats], counts: list[int], seconds, weights=None) -> bool:
         """Whether drafting would pay were every due row's rates at PLAUSIBLE_RATE (still
         weighed by its offer rate): a probe can only find out what could change the plan.
         At 4 rows, lookup's rows (offered on a minority of calls) rarely could, and a logged
@@ -276,9 +300,9 @@ class AdaptivePolicy:
         depth = max(counts, default=0)
         gains = [[g * s.offer_rate for g in chain_gains([PLAUSIBLE_RATE] * depth if s.probe_due else s.rates(depth))]
                  for s in stats]
-        return best_size(gains, counts, seconds) > 0
+        return best_size(gains, counts, seconds, weights) > 0
 
-    def afford_probe(self, stats: list[RowStats], counts: list[int], seconds) -> bool:
+    def afford_probe(self, stats: list[RowStats], counts: list[int], seconds, weights=None) -> bool:
         """Whether some row is due for a probe, the credit pays for what it adds to this step
         (seconds(1) - seconds(0): the padded tree and the drafter call) and the probe could
         change the plan (``probe_could_pay``); if so, spend the credit."""
@@ -286,7 +310,7 @@ class AdaptivePolicy:
             return False
         extra = max(seconds(1) - seconds(0), 0.0)
         self.probe_credit = min(self.probe_credit, 2 * extra)  # no burst after a long quiet stretch
-        if self.probe_credit < extra or not self.probe_could_pay(stats, counts, seconds):
+        if self.probe_credit < extra or not self.probe_could_pay(stats, counts, seconds, weights):
             return False
         self.probe_credit -= extra
         return True
@@ -307,15 +331,16 @@ class AdaptivePolicy:
         return p.gather(1, owner).cumprod(dim=2)  # shared prefixes take their owner's p
 
     def choose(self, proposal, stats: list[RowStats], use_conf: torch.Tensor, width: int,
-               draft_seconds: float, probe: bool) -> torch.Tensor:
-        """The proposal's valid mask cut to the best n nodes per row (prefix-closed)."""
+               draft_seconds: float, probe: bool, weights: list[float] | None = None) -> torch.Tensor:
+        """The proposal's valid mask cut to the best n nodes per row (prefix-closed);
+        ``weights`` as in ``plan``."""
         from .tree import prefix_owner
 
         B, W, L = proposal.beams.shape
         self.confident = proposal.confidence is not None and bool(use_conf.any())
         seconds = self.seconds(B, width, drafted=draft_seconds)
         if W == 1:
-            return self.choose_chain(proposal, stats, use_conf, seconds, probe)
+            return self.choose_chain(proposal, stats, use_conf, seconds, probe, weights)
         owner = prefix_owner(proposal.beams, proposal.valid)
         owns = (owner == torch.arange(W, device=owner.device)[None, :, None]) & proposal.valid
         owns[:, :, 0] = False  # g0 is always verified
@@ -325,7 +350,7 @@ class AdaptivePolicy:
         ranked = flat.gather(1, order).clamp(min=0)
         gains = torch.nn.functional.pad(ranked.cumsum(dim=1), (1, 0)).tolist()
         counts = owns.flatten(1).sum(dim=1).tolist()
-        n = best_size(gains, counts, seconds)
+        n = best_size(gains, counts, seconds, weights)
         n = max(n, 1) if probe and n == 0 else n
         position = torch.empty_like(order).scatter_(1, order, torch.arange(L * W).expand(B, -1))
         kept = (position < n).reshape(B, L, W).transpose(1, 2).to(owner.device) & owns
@@ -336,7 +361,7 @@ class AdaptivePolicy:
         return (proposal.valid & kept).to(torch.int8).cumprod(dim=2).bool()
 
     def choose_chain(self, proposal, stats: list[RowStats], use_conf: torch.Tensor, seconds,
-                     probe: bool) -> torch.Tensor:
+                     probe: bool, weights: list[float] | None = None) -> torch.Tensor:
         """``choose`` for one beam per row (W = 1, the shipped head's and lookup's default
         shapes), with the same result: a chain's node values never grow along it, so its
         best k nodes are its first k, and no sibling ranks or prefix owners are needed. On
@@ -355,7 +380,7 @@ class AdaptivePolicy:
                 kappa = s.kappa
                 a = [r if math.isnan(x) else min(max(kappa * x, 0.0), 1.0) for r, x in zip(a, c[1:])]
             gains.append(chain_gains(a))
-        n = best_size(gains, drafted, seconds)
+        n = best_size(gains, drafted, seconds, weights)
         n = max(n, 1) if probe and n == 0 else n
         keep = torch.arange(L, device=proposal.valid.device) <= n
         fixed = torch.tensor([s.fixed for s in stats], device=keep.device)[:, None, None]

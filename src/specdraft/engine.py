@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 
 from .acceptance import Acceptance, accept_chain_sampling, accept_greedy, accept_tree_sampling
-from .adaptive import AdaptivePolicy, children_confidence, slack
+from .adaptive import AdaptivePolicy, children_confidence, finish_weights, slack
 from .cache import CompactCache
 from .drafters.base import DraftContext, Drafter, Proposal
 from .errors import SpecdraftError
@@ -101,6 +101,7 @@ class SpeculativeEngine:
         if not prompts:
             return
         batch, events = self.start(prompts, params)
+        batch.static = True  # nothing joins: the call lasts as long as its last row
         yield from events
         while batch.rows:
             yield from self.step(batch)
@@ -170,8 +171,9 @@ class SpeculativeEngine:
         target, timer, cache, ctx = self.target, batch.timer, batch.cache, batch.ctx
         stats = [r.adapt for r in batch.rows] if self.policy is not None else None
         step_start, width = time.perf_counter(), cache.width  # the policy learns what steps really cost
+        weights = finish_weights(self._remaining(batch.rows)) if stats is not None and batch.static else None
         if stats is not None:
-            depth = self.policy.plan(stats, ctx.budget, cache.width)
+            depth = self.policy.plan(stats, ctx.budget, cache.width, weights)
             if depth == 0:
                 return self._plain_step(batch, proposed=False, started=step_start)
             ctx = replace(ctx, budget=ctx.budget.clamp(max=depth + 1 + slack(len(stats))))
@@ -180,7 +182,7 @@ class SpeculativeEngine:
             proposal = self._clip(self.drafter.propose(ctx), ctx.budget)
             drafting = time.perf_counter() - started
             if stats is not None:
-                proposal = self._adapt(proposal, batch, ctx, depth, drafting)
+                proposal = self._adapt(proposal, batch, ctx, depth, drafting, weights)
         if self._plain(proposal, stats, ctx):
             events = self._plain_step(batch, proposed=True, started=step_start + drafting)
             self._judge_look(stats, None, step_start, width)
@@ -241,14 +243,14 @@ class SpeculativeEngine:
             self.policy.observe_look(stats, gained, time.perf_counter() - step_start, width)
 
     def _adapt(self, proposal: Proposal, batch: Batch, ctx: DraftContext, depth: int,
-               seconds: float) -> Proposal:
+               seconds: float, weights: list[float] | None) -> Proposal:
         """Cut the proposal to what the policy finds worth verifying (valid mask only)."""
         stats = [r.adapt for r in batch.rows]
         self.policy.draft_time.record(depth + slack(len(stats)), seconds)
         self.policy.observe_offers(stats, proposal.valid[:, :, 1:].any(dim=2).any(dim=1).tolist())
         # Sampled drafts (q) must not be cut by their own drawn tokens' confidences.
         use_conf = ctx.greedy | (proposal.q is None)
-        valid = self.policy.choose(proposal, stats, use_conf, batch.cache.width, seconds, self.policy.probing)
+        valid = self.policy.choose(proposal, stats, use_conf, batch.cache.width, seconds, self.policy.probing, weights)
         return replace(proposal, valid=valid)
 
     @staticmethod
@@ -396,13 +398,17 @@ class SpeculativeEngine:
                 torch.tensor([r.params.top_k for r in rows], device=device),
                 torch.tensor([r.params.top_p for r in rows], device=device))
 
+    def _remaining(self, rows: list[Row]) -> list[int]:
+        """Tokens each row may still generate (its own limit, or the target's context)."""
+        return [min(r.params.max_new_tokens - len(r.generated),
+                    self.target.max_context - len(r.prompt) - len(r.generated)) for r in rows]
+
     def _context(self, batch: Batch) -> DraftContext:
         rows, device = batch.rows, self.target.device
         # A beam may hold no more tokens than the row may still generate or fit in its
         # context, nor more than its share of the step's tree-token cap.
         share = max(1, self.max_tree_tokens // max(len(rows), 1)) if self.max_tree_tokens else 1 << 30
-        budget = [min(r.params.max_new_tokens - len(r.generated),
-                      self.target.max_context - len(r.prompt) - len(r.generated), share) for r in rows]
+        budget = [min(left, share) for left in self._remaining(rows)]
         return DraftContext(
             tokens=[torch.tensor(r.prompt + r.generated, device=device) for r in rows],
             g0=torch.tensor([r.generated[-1] if r.generated else 0 for r in rows], device=device),

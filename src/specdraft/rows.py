@@ -163,6 +163,9 @@ class Batch:
     timer: StageTimer
     recent: RecentStates | None = None
     features: torch.Tensor | None = None  # (B, n, d) for drafters with feature layers, beside hidden
+    # Static: no request joins (``engine.run``); its caller waits for the last row, so the
+    # adaptive policy weighs rows by their chance to finish last (``adaptive.finish_weights``).
+    static: bool = False
 
     @property
     def request_ids(self) -> list[int]:
