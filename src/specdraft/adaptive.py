@@ -175,8 +175,10 @@ def finish_weights(remaining: list[int]) -> list[float]:
     the rows' finishing points, sigma = sqrt(r_max) / 2 (each step's accepted count is a
     draw of variance <= 1/4 per drafted token): w_b ∝ exp(-d_b / sigma). Rows that are
     level (a batch just started) weigh 1 each: the throughput objective. Example: remaining
-    [100, 100, 80] -> sigma 5, weights ≈ [1.49, 1.49, 0.03]. Under continuous batching
-    (the server) a finished row's slot is refilled at once and every token counts: no weights."""
+    [100, 100, 80] -> sigma 5, weights ≈ [1.49, 1.49, 0.03]. It assumes rows run to their
+    limits (a row that will stop at an end-of-sequence token sooner is not known to); under
+    continuous batching (the server) a finished row's slot is refilled at once and every
+    token counts: no weights."""
     top = max(remaining, default=0)
     sigma = max(math.sqrt(top) / 2, 0.5)
     raw = [math.exp(-(top - r) / sigma) for r in remaining]
