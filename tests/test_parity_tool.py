@@ -196,7 +196,14 @@ def linear_calls(target, n: int) -> list:
     return [c for c in log.calls if any(s in weights for s in c[1])]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# Whether this CPU runs oneDNN's packed bfloat16 product bitwise like F.linear (it needs
+# avx512bw/vl/dq or avx_ne_convert: the AVX2-only EPYC has neither and keeps stock F.linear).
+PACKED_HERE = fastpath.packed_is_stock(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16))
+NEEDS_PACKED = pytest.mark.skipif(not PACKED_HERE, reason="no oneDNN packed bf16 path on this CPU; "
+                                  "test_packed_layout_falls_back_where_the_cpu_lacks_it covers it")
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=NEEDS_PACKED)])
 def test_one_row_runs_the_kernels_of_two(tiny_target_path, dtype, monkeypatch):
     """Why a 1-token forward costs no more than a 2-token one (a monotone verify-cost
     curve): in float32 every linear of a 1-row forward runs the very matrix product (same
@@ -216,6 +223,21 @@ def test_one_row_runs_the_kernels_of_two(tiny_target_path, dtype, monkeypatch):
         assert fastpath.LAYOUTS[target.dtype] == fastpath.PACKED
 
 
+def test_packed_layout_falls_back_where_the_cpu_lacks_it(tiny_target_path, monkeypatch):
+    """On a CPU whose oneDNN has no packed bf16 product (the op raises), bfloat16 keeps
+    stock F.linear: the layout is None and an engine forward runs no packed product."""
+    monkeypatch.setattr(fastpath, "CHOSEN", {})
+
+    def no_packing(weight):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support ...")
+
+    monkeypatch.setattr(fastpath, "pack_weight", no_packing)
+    target = load_target(str(tiny_target_path), dtype="bfloat16")
+    assert fastpath.CHOSEN == {torch.bfloat16: None}
+    assert "_linear_pointwise" not in {op for op, _ in linear_calls(target, 1) + linear_calls(target, 3)}
+
+
+@NEEDS_PACKED
 def test_packed_layout_is_bitwise_stock(tiny_target_path, monkeypatch):
     """bfloat16's packed layout changes speed, never values: every engine forward of a
     tiny model (1-9 tree tokens after a cache, logits included) equals the stock F.linear
@@ -254,7 +276,8 @@ def test_packed_layout_needs_bitwise_equality(monkeypatch):
     """A packed product that is not bitwise stock (another oneDNN, another CPU) is not used."""
     monkeypatch.setattr(fastpath, "CHOSEN", {})
     weight = torch.randn(64, 32).to(torch.bfloat16)
-    assert fastpath.choose_layout(weight) == fastpath.PACKED  # too small to time, bitwise stock here
+    # too small to time: packed wherever the CPU has the bitwise packed product
+    assert fastpath.choose_layout(weight) == (fastpath.PACKED if PACKED_HERE else None)
     monkeypatch.setattr(fastpath, "CHOSEN", {})
     monkeypatch.setattr(fastpath, "packed_linear", lambda x, packed, bias=None: torch.zeros(x.shape[0], 64, dtype=x.dtype))
     assert fastpath.choose_layout(weight) is None
