@@ -60,8 +60,10 @@ def main() -> None:
         for r in range(args.rounds):  # interleaved: a slow spell of the machine hits every row alike
             for c in levels:
                 for d in drafters:
-                    runs[(d, c)].append(run_level(servers[d].url, args, prompts, c))
-                    print(f"done: round {r + 1}, drafter {d}, concurrency {c}", file=sys.stderr, flush=True)
+                    run = run_level(servers[d].url, args, prompts, c)
+                    runs[(d, c)].append(run)
+                    print(f"done: round {r + 1}, drafter {d}, concurrency {c}: {run['tps']:.1f} tokens/s, "
+                          f"τ {run['tau']:.2f}", file=sys.stderr, flush=True)
     print_table(args, [(d, c, median_run(runs[(d, c)], runs.get(("none", c)))) for d in drafters for c in levels])
 
 

@@ -15,7 +15,7 @@ import torch
 
 import test_sampling_exact as exact
 from drafters_for_tests import RandomBeamsDrafter
-from specdraft.adaptive import (EXPLORE_SHARE, PROBE_START, LOOK_MAX_ROWS, LOOK_PAUSE, LOOK_SHARE, LOOK_TRIAL, SLACK, AdaptivePolicy,
+from specdraft.adaptive import (EXPLORE_MIN, EXPLORE_SHARE, PROBE_START, LOOK_MAX_ROWS, LOOK_PAUSE, LOOK_SHARE, LOOK_TRIAL, SLACK, AdaptivePolicy,
                                 RowStats, best_size, children_confidence, finish_weights)
 from specdraft.costmodel import CostModel, cost_model_key, cost_model_path, load_cost_model
 from specdraft.drafters import LookupDrafter, NoDrafter
@@ -631,3 +631,28 @@ def test_probes_cost_at_most_the_exploration_share_at_any_batch_size():
         policy.observe(stats, [n] * B, [0] * B, None, off=n == 0)
         policy.observe_step(n > 0, B, B * (1 + n), 0, seconds)
     assert 1.0 < total / plain <= 1 + EXPLORE_SHARE + 1e-9
+
+
+def test_probes_that_never_turn_drafting_on_cost_less_and_less():
+    """Probes that never find drafting worth it (4-row trees the head's rates never pay
+    for): the credit's share falls from EXPLORE_SHARE towards EXPLORE_MIN at that batch size,
+    while other sizes keep theirs; a probe that turns drafting on restores it."""
+    policy = AdaptivePolicy(LINEAR)
+    B = 16
+    stats, budget = [stats_with([0.01] * 8) for _ in range(B)], torch.full((B,), 5)
+    for i, s in enumerate(stats):
+        s.off_streak = i
+    costs = []
+    for _ in range(4000):
+        n = policy.plan(stats, budget, 0)
+        costs.append((LINEAR(B * (1 + n)), LINEAR(B)))
+        policy.observe(stats, [n] * B, [0] * B, None, off=n == 0)
+        policy.observe_step(n > 0, B, B * (1 + n), 0, costs[-1][0])
+    late = [c for c, _ in costs[2000:]], [p for _, p in costs[2000:]]
+    assert 1.0 < sum(late[0]) / sum(late[1]) <= 1 + 2 * EXPLORE_MIN  # still probing, at a fraction
+    assert policy.explore_share(B) < 2 * EXPLORE_MIN and policy.explore_share(1) == EXPLORE_SHARE
+    low = policy.explore_share(B)
+    for _ in range(3):  # probes that find drafting pays (then drafting is on: no probes needed)
+        policy.probed_rows = B
+        policy.judge_probe(2)
+    assert policy.explore_share(B) > 1.5 * low

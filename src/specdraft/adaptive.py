@@ -58,22 +58,21 @@ PRIOR_STRENGTH = 2.0  # pseudo-trials of the Beta prior per depth
 POOL_DECAY = 0.995
 DECAY = 0.95  # evidence weight kept per drafted step: about the last 20 steps count
 PROBE_START, PROBE_MAX = 8, 128  # steps off before a probe; doubles after a failed probe
-# Probes draft where the estimates say it does not pay, to find out whether that changed. At
-# batch B a probe pads the whole batch's tree (cost(2B) instead of cost(B)), so rows taking
-# turns would make most steps probes at batch 16 (measured: 0.85x plain decoding); probes
-# are paid from a credit of this share of the decode time instead, and all due rows probe
-# together.
-EXPLORE_SHARE = 0.03
+# Probes draft where the estimates say it does not pay, to find out whether that changed. A
+# probe pads the whole batch's tree (cost(2B), not cost(B)): rows taking turns made most steps
+# probes at batch 16 (0.85x plain decoding), so probes are paid from a credit of at most
+# EXPLORE_SHARE of the decode time and all due rows probe together. The share falls towards
+# EXPLORE_MIN while probes do not turn drafting on (``explore_share``; server at 4 rows, f32:
+# a 4 x 2 tree costs 1.5x a plain step, the head's probes never paid, 3% was the whole margin).
+EXPLORE_SHARE, EXPLORE_MIN, PROBE_DECAY = 0.03, 0.005, 0.9
 PLAUSIBLE_RATE = 0.9  # the best rate a probe may find (lookup on repeated text); see probe_could_pay
 # A drafter whose proposals carry confidences and whose call costs at most this share of a
-# plain step may be asked even where the rates say drafting does not pay ("a look"):
-# ``choose`` then keeps only the candidates its calibrated confidences find worth verifying
-# (often none: a plain step). The rates are an average over the last ~20 steps; a beam's
-# own probability tells this step's easy continuations from its hard ones (measured with
-# the shipped ReDrafter head at batch 1: off 24% of steps and 0.95x the fixed 1x3 without
-# looks). The share is only a ceiling: whether looks pay is measured per request (below).
-# It was 0.1, a hard line the shipped head's call (~4.3 ms against a 32-44 ms step) sat on,
-# so looks came and went with timing noise (off on 41% of a run's steps after one slow call).
+# plain step may be asked where the rates say drafting does not pay ("a look"): ``choose``
+# keeps only what its calibrated confidences find worth verifying (often nothing). The rates
+# average ~20 steps; a beam's own probability tells this step's easy continuations from
+# hard ones (the head at batch 1 without looks: 0.95x its fixed 1x3). A ceiling only (whether
+# looks pay is measured per request, below); at 0.1 the head's call (~4.3 ms of a 32-44 ms
+# step) sat on the line and looks came and went with timing noise.
 LOOK_SHARE = 0.25
 # Looks are judged on what they did: a look step that makes B + G tokens in s seconds saved
 # (B + G) / B * t_plain - s against plain decoding (t_plain: the modelled plain step). After
@@ -204,7 +203,9 @@ class AdaptivePolicy:
         self.cost, self.prior = cost, prior
         self.draft_time = DraftTimer()
         self.step_ratio = StepCostRatio()
-        self.probe_credit = 0.0  # seconds of exploration earned (EXPLORE_SHARE of each step)
+        self.probe_credit = 0.0  # seconds of exploration earned (explore_share of each step)
+        self.probe_record: dict[int, tuple[float, float]] = {}  # batch bucket -> decayed (wins, probes)
+        self.probed_rows = 0  # rows of the last plan's probe, judged at the next plan (0: none)
         self.probing = False  # the last plan drafted only because a probe was due and paid for
         self.looking = False  # the last plan drafted only to let the confidences choose
         self.confident = False  # the last proposal had confidences the policy could use
@@ -243,7 +244,22 @@ class AdaptivePolicy:
         for a plain step) with ``width`` cached slots took ``seconds`` of wall time, drafting
         excluded."""
         self.step_ratio.record(tree, rows, seconds, self.cost(tokens, width, rows))
-        self.probe_credit += EXPLORE_SHARE * seconds
+        self.probe_credit += self.explore_share(rows) * seconds
+
+    def explore_share(self, rows: int) -> float:
+        """Share of step time earned as probe credit at this batch size: EXPLORE_SHARE while
+        probes turn drafting on, falling towards EXPLORE_MIN while they do not."""
+        wins, probes = self.probe_record.get(StepCostRatio.bucket(rows), (0.0, 0.0))
+        return EXPLORE_MIN + (EXPLORE_SHARE - EXPLORE_MIN) * (1 + wins) / (1 + probes)
+
+    def judge_probe(self, n: int) -> None:
+        """The plan after a probe step chose ``n`` from the rates the probe updated: a win
+        if it drafts (the probe found that drafting pays)."""
+        if self.probed_rows:
+            key = StepCostRatio.bucket(self.probed_rows)
+            wins, probes = self.probe_record.get(key, (0.0, 0.0))
+            self.probe_record[key] = (PROBE_DECAY * wins + (n > 0), PROBE_DECAY * probes + 1)
+            self.probed_rows = 0
 
     def plan(self, stats: list[RowStats], budget: torch.Tensor, width: int,
              weights: list[float] | None = None) -> int:
@@ -264,11 +280,13 @@ class AdaptivePolicy:
         gains = [[g * s.offer_rate for g in chain_gains(s.rates(depth))] for s in stats]
         seconds = self.seconds(len(stats), width)
         n = best_size(gains, counts, seconds, weights)
+        self.judge_probe(n)
         if n == 0 and len(stats) <= LOOK_MAX_ROWS and not any(s.look_pause for s in stats) and \
                 self.look_is_cheap(seconds, depth):
             self.looking = True
             return depth
         self.probing = n == 0 and self.afford_probe(stats, counts, seconds, weights)
+        self.probed_rows = len(stats) if self.probing else 0
         return 1 if self.probing else n
 
     def look_is_cheap(self, seconds, depth: int) -> bool:
