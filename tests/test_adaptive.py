@@ -634,7 +634,7 @@ def test_probes_cost_at_most_the_exploration_share_at_any_batch_size():
 
 
 def test_probes_that_never_turn_drafting_on_cost_less_and_less():
-    """Probes that never find drafting worth it (4-row trees the head's rates never pay
+    """Probes that never find drafting worth it (16-row trees the rows' rates never pay
     for): the credit's share falls from EXPLORE_SHARE towards EXPLORE_MIN at that batch size,
     while other sizes keep theirs; a probe that turns drafting on restores it."""
     policy = AdaptivePolicy(LINEAR)
