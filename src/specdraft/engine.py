@@ -22,6 +22,7 @@ from .cache import CompactCache
 from .drafters.base import DraftContext, Drafter, Proposal
 from .errors import SpecdraftError
 from .models import Target
+from .plantrace import PlanTrace
 from .recent import RecentStates
 from .rows import STAGES, Batch, GenerationResult, Row, StageTimer, StepEvent  # noqa: F401 (STAGES: re-exported)
 from .sampling import SamplingParams, make_generator, sample, target_probs
@@ -67,6 +68,7 @@ class SpeculativeEngine:
         self.target = target
         self.drafter = drafter
         self.policy = policy
+        self.trace = PlanTrace()  # SPECDRAFT_PLAN_TRACE=FILE: the policy's decisions, one JSON line per step
         if max_tree_tokens == "auto":
             max_tree_tokens = 8 if target.device.type == "cpu" and policy is None else None
         self.max_tree_tokens = max_tree_tokens
@@ -174,6 +176,7 @@ class SpeculativeEngine:
         weights = finish_weights(self._remaining(batch.rows)) if stats is not None and batch.static else None
         if stats is not None:
             depth = self.policy.plan(stats, ctx.budget, cache.width, weights)
+            self.trace(self.policy, stats, depth, cache.width)
             if depth == 0:
                 return self._plain_step(batch, proposed=False, started=step_start)
             ctx = replace(ctx, budget=ctx.budget.clamp(max=depth + 1 + slack(len(stats))))

@@ -1,0 +1,50 @@
+"""A trace of the adaptive policy's decisions, for finding out why it drafted (or did not).
+
+Set ``SPECDRAFT_PLAN_TRACE=FILE`` (any process that runs the engine: ``generate``, ``bench``,
+``serve``) and every planned step appends one JSON line to FILE:
+
+    {"pid": 4711, "t": 12.503, "rows": 16, "depth": 1, "probe": false, "look": false,
+     "a1": [0.41, ...], "offer": [0.93, ...], "pool": 0.47, "s": [0.141, 0.211, 0.262],
+     "ratio": {"plain": 1.02, "tree": 1.11}, "credit": 0.004, "share": 0.03}
+
+pid: the process (several servers may share one FILE); t: seconds since this engine's
+first traced step; a1, offer: each row's depth-1 rate and offer rate (``RowStats``); pool:
+the pooled depth-1 rate a new request starts from; s: the modelled seconds of a step
+verifying 1, 2, 3 tokens per row (``AdaptivePolicy.seconds``); ratio: the step-cost ratios
+at this batch size; credit / share: the probe credit and its share.
+Off (the default), it costs one attribute read per step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+class PlanTrace:
+    """Appends the policy's per-step decision to the file named by SPECDRAFT_PLAN_TRACE."""
+
+    def __init__(self, path: str | None = None):
+        self.path = path if path is not None else os.environ.get("SPECDRAFT_PLAN_TRACE") or None
+        self.start = None
+
+    def __call__(self, policy, stats, depth: int, width: int) -> None:
+        if self.path is None:
+            return
+        now = time.perf_counter()
+        self.start = now if self.start is None else self.start
+        rows = len(stats)
+        seconds = policy.seconds(rows, width)
+        record = {
+            "pid": os.getpid(), "t": round(now - self.start, 3), "rows": rows, "depth": depth,
+            "probe": policy.probing, "look": policy.looking,
+            "a1": [round(s.rates(1)[0], 3) for s in stats],
+            "offer": [round(s.offer_rate, 3) for s in stats],
+            "pool": round(policy.pooled(stats[0].base), 3) if stats else None,
+            "s": [round(seconds(n), 4) for n in range(3)],
+            "ratio": {"plain": round(policy.step_ratio(False, rows), 3), "tree": round(policy.step_ratio(True, rows), 3)},
+            "credit": round(policy.probe_credit, 4), "share": round(policy.explore_share(rows), 4),
+        }
+        with open(self.path, "a") as f:  # one line per step: a crash loses nothing before it
+            f.write(json.dumps(record) + "\n")
