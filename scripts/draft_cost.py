@@ -9,6 +9,10 @@ target's dtype; medians of ``--trials``. The draft's shape is the target's, so c
 layer list gives exactly the copied-layer draft's compute.
 
     .venv/bin/python scripts/draft_cost.py --layers 1,2,3,4 --draft-vocab 8192
+
+``--draft FOLDER`` (repeatable) also times a trained draft folder (e.g. the shipped one,
+``src/specdraft/assets/smollm2-135m-instruct/draft``) with its whole output layer and with
+``--draft-vocab`` of its rows: what a draft vocabulary saves per draft token.
 """
 
 from __future__ import annotations
@@ -41,6 +45,20 @@ def one_token_ms(model, head_rows: int, prefix: int, trials: int) -> float:
     return 1000 * statistics.median(times[3:])
 
 
+def draft_rows(folder: str, target, args, full: float) -> list[dict]:
+    """The draft at ``folder``, in the target's dtype, with its whole output layer and with
+    ``--draft-vocab`` rows (a row subset costs what the draft vocabulary's rows cost)."""
+    from specdraft.drafters.draft_model import load_draft_folder
+
+    draft = load_draft_folder(folder, target, target.dtype)[0].eval()
+    out = []
+    for rows in (draft.lm_head.weight.shape[0], args.draft_vocab):
+        ms = one_token_ms(draft, rows, args.prefix, args.trials)
+        out.append({"draft": folder, "layers": draft.config.num_hidden_layers, "head_rows": rows, "ms": ms,
+                    "of_target": ms / full})
+    return out
+
+
 def main() -> None:
     from specdraft.models import load_target
 
@@ -51,12 +69,14 @@ def main() -> None:
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--prefix", type=int, default=256)
     p.add_argument("--trials", type=int, default=30)
+    p.add_argument("--draft", action="append", default=[], metavar="FOLDER", help="also time this draft folder")
     args = p.parse_args()
     target = load_target(args.target, dtype=args.dtype)
     model = target.model
     full = one_token_ms(model, model.lm_head.weight.shape[0], args.prefix, args.trials)
     rows = [{"layers": model.config.num_hidden_layers, "head_rows": model.lm_head.weight.shape[0], "ms": full,
              "of_target": 1.0}]
+    rows += [row for folder in args.draft for row in draft_rows(folder, target, args, full)]
     layers = model.model.layers
     for k in [int(x) for x in args.layers.split(",")]:
         model.model.layers = torch.nn.ModuleList(layers[:k])
