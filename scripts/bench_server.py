@@ -49,7 +49,8 @@ def main() -> None:
     ap.add_argument("--target", default="default")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto", help="passed to specdraft serve (auto: bfloat16 where the CPU has it)")
-    ap.add_argument("--drafters", default="none,lookup", help="comma-separated --drafter specs")
+    ap.add_argument("--drafters", default="none,lookup",
+                    help="comma-separated --drafter specs; SPEC@compiled serves SPEC with --compile-drafter")
     ap.add_argument("--concurrency", default="1,4,16", help="comma-separated levels")
     ap.add_argument("--requests", default="32",
                     help="requests per level (at least the concurrency): one number, or one per level (8,16,32)")
@@ -127,7 +128,9 @@ class Server:
     """``specdraft serve`` in a subprocess on 127.0.0.1:<free port>; SIGTERM on exit."""
 
     def __init__(self, args, drafter: str):
-        self.cmd = serve_command() + [
+        # DRAFTER@compiled: the same drafter served with --compile-drafter (its own row)
+        drafter, compiled = (drafter[: -len("@compiled")], True) if drafter.endswith("@compiled") else (drafter, False)
+        self.cmd = serve_command() + ["--compile-drafter"] * compiled + [
             "--target", args.target, "--device", args.device, "--dtype", args.dtype, "--drafter", drafter,
             "--host", "127.0.0.1", "--port", "0", "--max-batch-size", str(args.max_batch_size),
             "--max-queue", str(max([64] + [int(x) for x in args.requests.split(",")])), "--model-name", "bench", "--log-level", "warning",

@@ -283,6 +283,8 @@ def test_sweep_lookup_records_best_shape(tiny_target_path, prompts_file, tmp_pat
     ("lookup@1x3/fixed", "lookup", {"beam_width": 1, "beam_length": 3, "adaptive": False}),
     ("redrafter:a@b/c@adaptive", "redrafter:a@b/c", {"adaptive": True}),
     ("draft:P@g5/adaptive", "draft:P", {"gamma": 5, "adaptive": True}),
+    ("draft:P@g1/fixed/compiled", "draft:P", {"gamma": 1, "adaptive": False, "compiled": True}),
+    ("draft:P@compiled", "draft:P", {"compiled": True}),
 ])
 def test_method_suffix_sets_shape_and_policy(spec, base, shape):
     from specdraft.bench.specs import split_shape
@@ -290,7 +292,8 @@ def test_method_suffix_sets_shape_and_policy(spec, base, shape):
     assert split_shape(spec) == (base, shape)
 
 
-@pytest.mark.parametrize("spec", ["lookup@", "lookup@1x3/2x4", "lookup@fixed/adaptive", "lookup@g2/1x3", "lookup@on"])
+@pytest.mark.parametrize("spec", ["lookup@", "lookup@1x3/2x4", "lookup@fixed/adaptive", "lookup@g2/1x3", "lookup@on",
+                                  "draft:P@compiled/compiled"])
 def test_method_suffix_rejects_nonsense(spec):
     from specdraft.bench.specs import split_shape
 

@@ -286,3 +286,36 @@ def test_lookup_shapes_fail_with_the_shared_one_line_error(make):
     # Every drafter runs the one check_shapes: lookup once raised a bare ValueError (a traceback).
     with pytest.raises(SpecdraftError, match="must be an integer >= 1"):
         make()
+
+
+# ---- 3. --compile-drafter: the same guarantees through torch.compile ---------------------
+
+def test_compiled_draft_is_exact_and_warm(tmp_path):
+    """The draft's forward through torch.compile keeps every guarantee: the target as its
+    own draft is still accepted in full at batch 1 and 3 (a slip of the compiled forward in
+    the cache, the positions or the masks shows as a rejection), greedy and sampled; and
+    after ``warm_up`` new batch sizes and prompt lengths compile nothing more (a recompile
+    mid-serving would stall requests for seconds). One layer and the aot_eager backend
+    (graph capture, guards and recompiles as with inductor, without generating and building
+    C++ kernels, a minute or two here); inductor itself is checked on the shipped draft by
+    ``specdraft bench`` (outputs compared with plain decoding, docs/draft_model.md)."""
+    from specdraft.build import warm_up
+
+    path = make_tiny_llama(tmp_path / "one", vocab_size=16, seed=0, initializer_range=0.4, num_hidden_layers=1)
+    target = load_target(str(path))
+    gamma = 3
+    drafter = DraftModelDrafter.load(path, target, gamma=gamma)
+    assert drafter.compile(backend="aot_eager")
+    engine = SpeculativeEngine(target, drafter, max_tree_tokens=None)
+    warm_up(engine)
+    assert drafter.stance == "eager_on_recompile"  # what serving runs under: never a stall
+    drafter.stance = "fail_on_recompile"  # here: prove that warm_up left nothing to compile
+    for n_rows, temperature in ((3, 0.0), (1, 1.0), (4, 1.0)):
+        prompts = _prompts([4, 11, 7, 20][:n_rows], seed=n_rows)
+        params = [SamplingParams(max_new_tokens=17 + 4 * i, ignore_eos=True, temperature=temperature, top_p=0.9,
+                                 seed=i) for i in range(n_rows)]
+        for r in engine.generate(prompts, params):
+            assert (r.new_tokens - 1) / (r.steps - 1) == gamma + 1, r.accepted_hist
+    base = SpeculativeEngine(target, NoDrafter()).generate(_prompts([6, 3], seed=9), SamplingParams(max_new_tokens=30))
+    spec = engine.generate(_prompts([6, 3], seed=9), SamplingParams(max_new_tokens=30))
+    assert [r.token_ids for r in spec] == [r.token_ids for r in base]

@@ -26,6 +26,7 @@ class EngineSpec:
     gamma: int | None = None
     max_tree_tokens: int | str | None = "auto"  # a cap, 'auto' (the engine decides) or None (no cap)
     adaptive: str = "off"
+    compile_drafter: bool = False  # torch.compile the drafter's model code, then warm_up
 
 
 def build_engine(spec: EngineSpec):
@@ -37,8 +38,38 @@ def build_engine(spec: EngineSpec):
     with quiet_loading():
         target = load_target(spec.target, spec.device, spec.dtype, spec.trust_remote_code)
         drafter = build_drafter(spec.drafter, target, spec.beam_width, spec.beam_length, spec.gamma)
-    return SpeculativeEngine(target, drafter, max_tree_tokens=spec.max_tree_tokens,
-                             policy=adaptive_policy(target, drafter, spec.adaptive))
+    engine = SpeculativeEngine(target, drafter, max_tree_tokens=spec.max_tree_tokens,
+                               policy=adaptive_policy(target, drafter, spec.adaptive))
+    if spec.compile_drafter and drafter.compile():
+        warm_up(engine)
+    return engine
+
+
+WARM_UP_PROMPT = "Count from one to thirty, in words, separated by commas."
+WARM_UP_TOKENS = 24
+
+
+def warm_up(engine) -> None:
+    """Generate a little at batch 1 and at batch 2, so that a compiled drafter compiles the
+    shapes serving meets (a prompt, then steps feeding one and several tokens; torch.compile
+    specialises sizes 0 and 1) before the first request; after it a shape not seen yet runs
+    eager (``Drafter.warmed``). The policy is detached meanwhile: compiling takes seconds
+    per shape, which must not reach its estimates of drafting cost."""
+    from .sampling import SamplingParams
+
+    target, tok = engine.target, engine.target.tokenizer
+    chat = getattr(tok, "chat_template", None) is not None
+    prompt = target.encode_prompt(WARM_UP_PROMPT, chat=chat) if tok is not None else list(range(1, 33))
+    room = target.max_context // 2  # a tiny test model's context may be short
+    params = SamplingParams(max_new_tokens=min(WARM_UP_TOKENS, room // 2))
+    policy, engine.policy = engine.policy, None
+    try:
+        for batch in (1, 2):
+            for ids in (prompt[-8:], (prompt * 8)[: min(96, room)]):  # a short and a long first feed
+                engine.generate([ids] * batch, params)
+    finally:
+        engine.policy = policy
+    engine.drafter.warmed()
 
 
 def adaptive_policy(target, drafter, mode: str):

@@ -76,6 +76,15 @@ class CompactCache(Cache):
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.width = 0
 
+    def allocate(self, kv_heads: int, head_dim: int, dtype: torch.dtype) -> "CompactCache":
+        """Allocate every layer's buffers now rather than at the first ``update`` (returns
+        self): compiled code then meets one kind of cache, never an empty one."""
+        B, device = self.lengths.shape[0], self.lengths.device
+        empty = torch.empty(B, kv_heads, 0, head_dim, dtype=dtype, device=device)
+        for layer in self.layers:
+            layer.lazy_initialization(empty, empty)
+        return self
+
     def commit(self, accepted: torch.Tensor, n_accepted: torch.Tensor) -> None:
         """Keep the accepted tree tokens of the last forward pass.
 

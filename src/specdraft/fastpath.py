@@ -247,3 +247,14 @@ def small_batch_linear(model: torch.nn.Module) -> torch.nn.Module:
             module.forward = types.MethodType(_forward, module)
             module._specdraft_fastpath = True
     return model
+
+
+def stock_linear(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo ``small_batch_linear`` for ``model``'s linears (in place; returns the model): for
+    code that torch.compile traces, where inductor picks its own kernels and the layout's
+    row-count test would only add a specialisation."""
+    for module in model.modules():
+        if getattr(module, "_specdraft_fastpath", False):
+            del module.forward  # the class's own forward again
+            module._specdraft_fastpath = False
+    return model

@@ -164,6 +164,10 @@ class Target:
         self.vocab_size = self.head.weight.shape[0]
         self.hidden_size = cfg.hidden_size
         self.num_layers = cfg.num_hidden_layers
+        heads = cfg.num_attention_heads
+        # (key/value heads, head dim) of each layer's cache
+        self.kv_shape = (getattr(cfg, "num_key_value_heads", None) or heads,
+                         getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
         self.max_context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
         layer_types = getattr(cfg, "layer_types", None) or []
         self.sliding_window = getattr(cfg, "sliding_window", None) if "sliding_attention" in layer_types else None

@@ -57,16 +57,21 @@ class Method(ABC):
 class EngineMethod(Method):
     """``SpeculativeEngine`` with one of our drafters (``none`` = plain decoding)."""
 
-    def __init__(self, spec: str, target, beam_width=None, beam_length=None, gamma=None, policy=None):
-        """``policy``: adaptive drafting (specdraft.adaptive), None for the fixed shape."""
+    def __init__(self, spec: str, target, beam_width=None, beam_length=None, gamma=None, policy=None,
+                 compiled: bool = False):
+        """``policy``: adaptive drafting (specdraft.adaptive), None for the fixed shape;
+        ``compiled``: the drafter's model code through torch.compile, warmed up here."""
         from collections import Counter
 
         from ..models import parameter_count
         from ..drafters.registry import build_drafter
+        from ..build import warm_up
         from ..engine import SpeculativeEngine
 
         drafter = build_drafter(spec, target, beam_width, beam_length, gamma)
         self.engine = SpeculativeEngine(target, drafter, policy=policy)
+        if compiled and drafter.compile():
+            warm_up(self.engine)  # before any timed prompt: compiling is a start-up cost
         self.depths, self.off_steps = Counter(), 0  # over the calls since reset_drafting()
         n_draft = getattr(drafter, "num_parameters", None)
         info = {"beam_width": getattr(drafter, "W", None), "beam_length": getattr(drafter, "L", None),

@@ -20,18 +20,24 @@ WITHOUT_PATH = ("none", "auto", "lookup", "hf-ar", "hf-lookup")
 def split_shape(spec: str) -> tuple[str, dict]:
     """'lookup@4x6' -> ('lookup', {beam_width: 4, beam_length: 6}); 'draft:P@g5' ->
     ('draft:P', {gamma: 5}); 'lookup@1x3/fixed' -> ('lookup', {..., adaptive: False});
-    'lookup@adaptive' -> ('lookup', {adaptive: True}); no suffix -> (spec, {}). The suffix
-    lets one run compare shapes of the same drafter, and the adaptive policy against fixed
-    shapes (each spec is its own row; without fixed/adaptive a row follows --adaptive)."""
+    'lookup@adaptive' -> ('lookup', {adaptive: True}); 'draft:P@g1/compiled' -> ('draft:P',
+    {gamma: 1, compiled: True}); no suffix -> (spec, {}). The suffix lets one run compare
+    shapes of the same drafter, the adaptive policy against fixed shapes, and a compiled
+    drafter against its eager self (each spec is its own row; without fixed/adaptive a row
+    follows --adaptive)."""
     base, at, suffix = spec.rpartition("@")
     if not at:
         return spec, {}
     shape: dict = {}
     for item in suffix.split("/"):
+        if item == "compiled" and "compiled" not in shape:
+            shape["compiled"] = True
+            continue
         m = re.fullmatch(r"(\d+)x(\d+)|g(\d+)|(fixed|adaptive)", item)
-        if not m or (m.group(4) and "adaptive" in shape) or (not m.group(4) and len(shape) - ("adaptive" in shape)):
+        shaped = len(shape) - ("adaptive" in shape) - ("compiled" in shape)
+        if not m or (m.group(4) and "adaptive" in shape) or (not m.group(4) and shaped):
             raise SpecdraftError(f"bad suffix in {spec!r}: use @WxL (beam width x length) or @gG (gamma), "
-                                 "optionally with /fixed or /adaptive (or @fixed, @adaptive alone)")
+                                 "optionally with /fixed or /adaptive and /compiled (or one of them alone)")
         if m.group(4):
             shape["adaptive"] = m.group(4) == "adaptive"
         elif m.group(3):
@@ -73,6 +79,6 @@ def build_method(spec: str, target, beam_width=None, beam_length=None, gamma=Non
     if base.partition(":")[0] in PEER_KINDS:
         method = build_peer(base, target, beam_length=beam_length, gamma=gamma)
     else:
-        method = EngineMethod(base, target, beam_width, beam_length, gamma, policy)
+        method = EngineMethod(base, target, beam_width, beam_length, gamma, policy, shape.get("compiled", False))
     method.spec = spec
     return method

@@ -81,6 +81,7 @@ class Drafter(ABC):
     context_window: int = 0
     # Target layers whose outputs the drafter reads (DraftContext.features); () for none.
     feature_layers: tuple[int, ...] = ()
+    compiled: bool = False  # its model code runs through torch.compile (``compile``)
 
     def start(self, ctx: DraftContext) -> None:
         """A new batch was prefilled: ``ctx`` holds all its rows, in order."""
@@ -100,6 +101,17 @@ class Drafter(ABC):
 
     def select_rows(self, keep: torch.Tensor) -> None:
         """Rows not in ``keep`` (1D long, new order) have left the batch."""
+
+    def compile(self, backend: str = "inductor") -> bool:
+        """Compile the drafter's own model code with ``torch.compile`` (``backend``) where
+        that makes drafting cheaper; True if anything was compiled (default: nothing).
+        Exactness does not depend on it: the target decides what is accepted, and a
+        sampled draft's q is the distribution its tokens were drawn from, compiled or not.
+        The first calls of each shape compile (seconds to minutes): ``build.warm_up``."""
+        return False
+
+    def warmed(self) -> None:
+        """``build.warm_up`` is done: compiled code should no longer stop to compile."""
 
 
 def single_beam(g0: torch.Tensor) -> Proposal:

@@ -42,6 +42,14 @@ class CombinedDrafter(Drafter):
         for p in self.parts:
             p.add_rows(ctx)
 
+    def compile(self, backend: str = "inductor") -> bool:
+        self.compiled = any([p.compile(backend) for p in self.parts])  # a list: every part compiles
+        return self.compiled
+
+    def warmed(self) -> None:
+        for p in self.parts:
+            p.warmed()
+
     def propose(self, ctx: DraftContext) -> Proposal:
         proposals = [p.propose(ctx) for p in self.parts]
         if any(p.q is not None for p in proposals):
