@@ -128,9 +128,14 @@ class Server:
     """``specdraft serve`` in a subprocess on 127.0.0.1:<free port>; SIGTERM on exit."""
 
     def __init__(self, args, drafter: str):
-        # DRAFTER@compiled: the same drafter served with --compile-drafter (its own row)
-        drafter, compiled = (drafter[: -len("@compiled")], True) if drafter.endswith("@compiled") else (drafter, False)
-        self.cmd = serve_command() + ["--compile-drafter"] * compiled + [
+        # DRAFTER@compiled: the same drafter served with --compile-drafter (its own row); the
+        # suffix is bench's (specdraft.bench.specs), of which a server takes only /compiled
+        from specdraft.bench.specs import split_shape
+
+        drafter, shape = split_shape(drafter)
+        if set(shape) - {"compiled"}:
+            raise SystemExit(f"bench_server: {drafter}: only the @compiled suffix applies to a server")
+        self.cmd = serve_command() + ["--compile-drafter"] * shape.get("compiled", False) + [
             "--target", args.target, "--device", args.device, "--dtype", args.dtype, "--drafter", drafter,
             "--host", "127.0.0.1", "--port", "0", "--max-batch-size", str(args.max_batch_size),
             "--max-queue", str(max([64] + [int(x) for x in args.requests.split(",")])), "--model-name", "bench", "--log-level", "warning",
