@@ -3,4 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-env.sh
-exec .venv/bin/python -m pytest -q "$@"
+# Two worker processes (pytest-xdist): most tests run tiny models on one thread, so one
+# process left a core idle; SmolLM2 tests get one thread per worker (tests/conftest.py).
+# Pass -n 0 to run in one process.
+exec .venv/bin/python -m pytest -q -n 2 "$@"

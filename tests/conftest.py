@@ -49,12 +49,19 @@ def make_tiny_llama(path: Path, vocab_size: int = 16, seed: int = 0, **overrides
     return path
 
 
+def workers() -> int:
+    """Test processes sharing this machine (pytest-xdist sets the count; 1 without it)."""
+    return max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
 @pytest.fixture(autouse=True)
 def torch_threads(request):
     """Tiny models run fastest on one thread (per-op overhead dominates; more threads only
-    contend). Tests of the real SmolLM2 target get every core."""
+    contend). Tests of the real SmolLM2 target get their worker's share of the cores (all
+    of them without xdist): more threads than cores stall OpenMP's barriers."""
     before = torch.get_num_threads()
-    torch.set_num_threads(max(1, os.cpu_count() or 1) if "smol" in request.fixturenames else 1)
+    share = max(1, (os.cpu_count() or 1) // workers())
+    torch.set_num_threads(share if "smol" in request.fixturenames else 1)
     yield
     torch.set_num_threads(before)
 

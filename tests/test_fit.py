@@ -149,6 +149,16 @@ def test_corpus_holds_what_the_target_computes(tiny_target, data, tmp_path):
         for i in range(3):
             valid = all(t + 2 + j < len(answer) and answer[t + 2 + j] for j in range(i + 1))
             assert text.labels[row, i] == (first.input_ids[t + 2 + i] if valid else -100)
+    # --kl-weight's states: h_{t+1+i}, whose logits chose the depth-i label, where t+1+i is stored.
+    states, present = corpus.gather(list(range(len(trained))), 3, soft=True).soft
+    for row, t in enumerate(trained):
+        for i in range(3):
+            assert present[row, i] == (t + 1 + i in trained)
+            if present[row, i]:
+                assert torch.equal(states[row, i], hidden[t + 1 + i].to(torch.bfloat16))
+                if batch.labels[row, i] != -100:
+                    assert tiny_target.logits(states[row, i].float()).argmax() == batch.labels[row, i]
+    assert present.any() and not present.all()
     from specdraft.train.fit import BLOCK, CorpusTask
     n = min(BLOCK, len(corpus))
     for labels, expect in (("target", corpus.gather(range(n), 3)), ("text", corpus.gather(range(n), 3, label="text"))):
@@ -216,6 +226,36 @@ def test_fit_end_to_end_then_exact_and_walk_is_engine_tau(tiny_target_path, tiny
         assert abs(steps - tokens / found[f"eval_tau_w1_l{L}"]) < 0.05, L
 
 
+def test_kl_term_is_the_targets_distribution_over_the_draft_vocabulary(tiny_target):
+    """HeadObjective's loss with λ: CE + λ·KL(p‖q), p the target's softmax over the draft
+    vocabulary's rows (renormalised), counted only where the state is present."""
+    from specdraft.train.heads import HeadObjective
+
+    torch.manual_seed(0)
+    vocab = DraftVocab.from_counts(torch.arange(tiny_target.vocab_size, 0, -1), 10)
+    head = ReDrafterHead.for_target(tiny_target, head="shared", draft_vocab=vocab).float()
+    d, N, K = tiny_target.hidden_size, 6, 2
+    hidden, states = torch.randn(N, d), torch.randn(N, K, d)
+    inputs, labels = torch.randint(0, tiny_target.vocab_size, (N, K)), torch.randint(0, 10, (N, K))
+    labels[0, 1] = -100
+    present = torch.ones(N, K, dtype=torch.bool)
+    present[1, 0] = present[2, 1] = False
+    denom = torch.ones(K)
+    ce_only, _ = HeadObjective(head, K)(hidden, inputs, labels, None, denom)
+    both, stats = HeadObjective(head, K, kl_weight=0.5)(hidden, inputs, labels, states, denom, None, None, present)
+    expect = torch.zeros(())
+    logq = dict(HeadObjective(head, K).depth_logits(hidden, inputs, labels != -100))
+    for i in range(K):
+        rows = (labels[:, i] != -100).nonzero().flatten()
+        q = torch.log_softmax(logq[i], -1)
+        for j, r in enumerate(rows.tolist()):
+            if present[r, i]:
+                p = torch.log_softmax(tiny_target.logits(states[r, i])[vocab.ids()], -1)
+                expect = expect + (p.exp() * (p - q[j])).sum()
+    assert stats[:, 1].sum() == pytest.approx(expect.item(), rel=1e-4) and expect > 0
+    assert (both - ce_only).item() == pytest.approx(0.5 * expect.item(), rel=1e-4)
+
+
 def test_interrupted_fit_continues_to_the_same_weights(tiny_target_path, data, answers, tmp_path):
     common = ["--heldout-data", str(answers), "--epochs", "3", "--save-every", "0"]
     assert fit(tiny_target_path, data, tmp_path / "a", *common) == 0
@@ -266,6 +306,8 @@ def test_a_rerun_after_training_began_does_not_extend_the_corpus(tiny_target_pat
     (["--drafter", "medusa", "--context", "4"], "redrafter option"),
     (["--feature-layers", "a,b"], "--feature-layers must be"),
     (["--feature-layers", "0,99"], "no layer 99"),
+    (["--kl-weight", "-1"], "--kl-weight must be >= 0"),
+    (["--kl-weight", "1", "--labels", "text"], "--kl-weight must be >= 0"),
 ])
 def test_bad_fit_options_are_one_line_errors(tiny_target_path, data, tmp_path, capsys, argv, message):
     assert fit(tiny_target_path, data, tmp_path / "x", *argv) == 2

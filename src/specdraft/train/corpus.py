@@ -283,13 +283,15 @@ class Corpus:
     def fingerprint(self) -> dict:
         return {"folder": str(self.folder.resolve()), "chunks": self.chunks, "positions": len(self)}
 
-    def gather(self, flat: np.ndarray, K: int, label: str = "greedy", window: int = 0) -> "PositionBatch":
+    def gather(self, flat: np.ndarray, K: int, label: str = "greedy", window: int = 0,
+               soft: bool = False) -> "PositionBatch":
         """The positions ``flat`` (N,) of the flat list, with K depths of inputs and labels.
 
         label "greedy": the target's choices (training); "text": the sequence's own next
         tokens (scoring on the target's own answers: the engine's walk). window C > 0 also
         gathers each position's context window (``PositionBatch.window``): the stored
-        positions t-C+1 .. t of the same answer (consecutive token indices)."""
+        positions t-C+1 .. t of the same answer (consecutive token indices). soft: also
+        the states h_{t+1+i} whose logits chose each depth's label (``PositionBatch.soft``)."""
         flat = np.asarray(flat, dtype=np.int64)
         chunk_of = np.searchsorted(self.starts, flat, side="right") - 1
         inputs = np.zeros((len(flat), K), dtype=np.int64)
@@ -320,7 +322,27 @@ class Corpus:
             if self.feature_layers else None
         return PositionBatch(hidden=hidden, inputs=torch.from_numpy(inputs), labels=torch.from_numpy(labels),
                              chunk=torch.from_numpy(chunk_of), t=torch.from_numpy(t_of), window=windows,
-                             features=features)
+                             features=features, soft=self._label_states(chunk_of, t_of, K) if soft else None)
+
+    def _label_states(self, chunk_of: np.ndarray, t_of: np.ndarray, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(states (N, K, d) bf16, present (N, K) bool): h_{t+1+i}, the target's state whose
+        logits chose the depth-i label greedy[t+1+i], where the corpus stores it. It does
+        where t+1+i is itself a trained position (a_{t+3+i}); the last label of an answer
+        has none (zeros there, present False)."""
+        d = self.arrays[0]["hidden"].shape[1] if self.arrays else 0
+        found = np.full((len(t_of), K), -1, dtype=np.int64)  # flat index of h_{t+1+i}
+        for c in np.unique(chunk_of):
+            rows = np.nonzero(chunk_of == c)[0]
+            pos = self.arrays[c]["pos"]
+            want = t_of[rows, None] + 1 + np.arange(K)  # (n, K) token indices
+            at = np.minimum(np.searchsorted(pos, want), len(pos) - 1)
+            found[rows] = np.where(pos[at] == want, self.starts[c] + at, -1)
+        present = found >= 0
+        states = torch.zeros(len(t_of), K, d, dtype=torch.bfloat16)
+        if present.any():
+            where = found[present]
+            states[torch.from_numpy(present)] = self._hidden(where, np.searchsorted(self.starts, where, side="right") - 1)
+        return states, torch.from_numpy(present)
 
     def _t_of(self, flat: np.ndarray, chunk_of: np.ndarray) -> np.ndarray:
         """Token index (within its chunk) of each flat position."""
@@ -412,6 +434,7 @@ class PositionBatch:
     t: torch.Tensor
     window: tuple | None = None
     features: torch.Tensor | None = None  # (N, n, d) bf16: the states after the corpus's feature layers
+    soft: tuple | None = None  # (states (N, K, d) bf16, present (N, K) bool): ``Corpus._label_states``
 
 
 def to_device(window: tuple | None, device) -> tuple | None:

@@ -82,6 +82,7 @@ class FitConfig:
     num_blocks: int = 2
     context: int = 0  # redrafter: context attention over the last N target states (0: the paper's head)
     feature_layers: list[int] = field(default_factory=list)  # redrafter: fuse these target layers' states with h
+    kl_weight: float = 0.0  # λ: + λ·KL(p ‖ q) against the target's distribution (``train.heads``), 0: CE only
     epochs: int = 2
     max_steps: int | None = None  # cap on optimizer steps (the LR schedule spans the cap)
     batch_positions: int = 1024
@@ -113,6 +114,9 @@ class FitConfig:
                 raise SpecdraftError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.draft_vocab < 0 or not self.lr > 0 or not 0 <= self.warmup < 1 or not 0 < self.extract_share <= 1:
             raise SpecdraftError("need draft-vocab >= 0, lr > 0, 0 <= warmup < 1 and 0 < extract-share <= 1")
+        if not 0 <= self.kl_weight < 1e6 or (self.kl_weight and (self.drafter == "draft" or self.labels != "target")):
+            raise SpecdraftError(f"--kl-weight must be >= 0 and is for heads distilled on the target's labels, got "
+                                 f"{self.kl_weight} with --drafter {self.drafter} --labels {self.labels}")
         if self.labels not in ("target", "text"):
             raise SpecdraftError(f"--labels must be target or text, got {self.labels!r}")
         if self.drafter not in ("redrafter", "medusa", "draft"):
@@ -162,17 +166,20 @@ class CorpusTask:
     bar_fields = ("loss", "acc1_0")
 
     def __init__(self, corpus: Corpus, vocab: DraftVocab | None, K: int, device, held_out=None,
-                 labels: str = "target", window: int = 0):
+                 labels: str = "target", window: int = 0, soft: bool = False):
         """``labels``: "target" trains on the target's greedy choices (the corpus's "greedy"
         labels), "text" on the conversations' own next tokens (no distillation); window:
-        the head's context window (0: none)."""
+        the head's context window (0: none); soft: gather the states whose distributions
+        the KL term distils (``HeadObjective``, --kl-weight)."""
         self.corpus, self.vocab, self.K, self.device, self.window = corpus, vocab, K, device, window
+        self.soft = soft
         self.held_out = held_out
         self.label = "greedy" if labels == "target" else "text"
 
     def micro_batch(self, indices: list[int]) -> PositionBatch:
         flat = (np.asarray(indices, dtype=np.int64)[:, None] * BLOCK + np.arange(BLOCK)).ravel()
-        mb = self.corpus.gather(flat[flat < len(self.corpus)], self.K, label=self.label, window=self.window)
+        mb = self.corpus.gather(flat[flat < len(self.corpus)], self.K, label=self.label, window=self.window,
+                                soft=self.soft)
         mb.oov = ((mb.labels != IGNORE) & (to_output_space(self.vocab, mb.labels) == IGNORE)).sum(0)
         mb.labels = to_output_space(self.vocab, mb.labels)
         return mb
@@ -186,8 +193,9 @@ class CorpusTask:
     def loss(self, model, mb: PositionBatch, denom: torch.Tensor):
         d = self.device
         features = None if mb.features is None else mb.features.to(d)
-        loss, stats = model(mb.hidden.to(d), mb.inputs.to(d), mb.labels.to(d), None, denom, to_device(mb.window, d),
-                            features)
+        states, present = (None, None) if mb.soft is None else (mb.soft[0].to(d), mb.soft[1].to(d))
+        loss, stats = model(mb.hidden.to(d), mb.inputs.to(d), mb.labels.to(d), states, denom, to_device(mb.window, d),
+                            features, present)
         return loss, torch.cat([stats.flatten(), mb.oov.float().to(stats.device)])
 
     def sync(self, accelerator) -> None:
@@ -201,10 +209,12 @@ class CorpusTask:
         oov = stats[K * len(STATS):].tolist()
         fields: dict = {}
         loss = 0.0
-        for i, (ce, _, c1, ck, n) in enumerate(per):
+        for i, (ce, kl, c1, ck, n) in enumerate(per):
             n = max(n, 1.0)
             loss += ce / n
             fields[f"ce_{i}"], fields[f"acc1_{i}"] = round(ce / n, 4), round(c1 / n, 4)
+            if self.soft:
+                fields[f"kl_{i}"] = round(kl / n, 4)
             fields[f"oov_{i}"] = round(oov[i] / (n + oov[i]), 4)
         fields["loss"] = round(loss, 4)
         fields["positions_per_s"] = round(sum(p[4] for p in per[:1]) / max(seconds, 1e-9), 1)
@@ -285,7 +295,7 @@ def build_objective(config: FitConfig, target, vocab: DraftVocab | None):
     elif config.head == "shared" and config.drafter == "redrafter":
         with torch.no_grad():
             head.proj.weight.zero_()  # uniform start (see train.heads.build_head)
-    return HeadObjective(head.float(), config.K)
+    return HeadObjective(head.float(), config.K, kl_weight=config.kl_weight)
 
 
 def warm_start(head: torch.nn.Module, warm: torch.nn.Module) -> None:
@@ -354,7 +364,7 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
         first = held_out.first()
         say(f"before training: held-out {summarise(first, config.K)}")
     task = CorpusTask(corpus, vocab, config.K, target.device, held_out, labels=config.labels,
-                      window=config.context)
+                      window=config.context, soft=config.kl_weight > 0)
     deadline = budget.deadline()
     opts = LoopOptions(out=out, save_every=10**9, save_every_seconds=config.save_every_seconds, keep_checkpoints=2,
                        # Logged steps divide eval_every, so evaluations fall on its multiples only
@@ -377,7 +387,8 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
 def signature(config: FitConfig) -> dict:
     keep = ("drafter", "draft_vocab", "head", "K", "num_blocks", "context", "feature_layers", "epochs", "max_steps", "lr", "warmup", "weight_decay", "seed", "init_from",
             "target", "dtype")
-    return {k: getattr(config, k) for k in keep}
+    # kl_weight only when set, so the checkpoints of runs from before the option still resume.
+    return {**{k: getattr(config, k) for k in keep}, **({"kl_weight": config.kl_weight} if config.kl_weight else {})}
 
 
 def save_final(head, folder: Path, config: FitConfig, state: TrainState, corpus: Corpus) -> Path:

@@ -104,12 +104,22 @@ class HeadObjective(nn.Module):
             # The output layer (2d -> N) dominates the cost: only rows with a label.
             yield i, head.draft_logits(hidden[valid[:, i]], state[valid[:, i]])
 
+    def target_log_probs(self, states: torch.Tensor) -> torch.Tensor:
+        """(n, N) float32: the target's next-token log-probabilities from its states (n, d),
+        over the head's output vocabulary — with a draft vocabulary, restricted to it and
+        renormalised (the head can put mass nowhere else)."""
+        vocab = getattr(self.head, "draft_vocab", None)
+        parts = self.head.parts
+        logits = parts.rows_logits(states, vocab.ids()) if vocab is not None else parts.logits(states)
+        return F.log_softmax(logits.float(), dim=-1)
+
     def forward(self, hidden: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor,
                 target_hidden: torch.Tensor | None, denom: torch.Tensor, window: tuple | None = None,
-                features: torch.Tensor | None = None):
+                features: torch.Tensor | None = None, target_present: torch.Tensor | None = None):
         """hidden (N, d) h_t; inputs, labels (N, K); target_hidden (N, K, d) the target's
         states that predict each label (for KL) or None; denom (K,) float normalisers;
-        window, features as in ``depth_logits``.
+        window, features as in ``depth_logits``; target_present (N, K) bool: where
+        target_hidden holds a state (None: everywhere; KL counts only there).
         Returns the loss (scalar) and stats (K, 5): ce sum, kl sum, top-1 and top-k hits, count."""
         valid = labels != IGNORE
         stats = torch.zeros(self.K, len(STATS), device=hidden.device)
@@ -124,9 +134,11 @@ class HeadObjective(nn.Module):
             ce = F.nll_loss(logq, y, reduction="sum")
             kl = torch.zeros((), device=hidden.device)
             if self.kl_weight and target_hidden is not None:
+                rows = valid[:, i] if target_present is None else valid[:, i] & target_present[:, i]
+                keep = rows[valid[:, i]]  # the same rows among logq's
                 with torch.no_grad():
-                    logp = F.log_softmax(self.head.parts.logits(target_hidden[valid[:, i], i]).float(), dim=-1)
-                kl = (logp.exp() * (logp - logq)).sum()
+                    logp = self.target_log_probs(target_hidden[rows, i])
+                kl = (logp.exp() * (logp - logq[keep])).sum()
             loss = loss + (ce + self.kl_weight * kl) / denom[i]
             with torch.no_grad():
                 top = logq.topk(min(self.topk, logq.shape[-1]), dim=-1).indices
