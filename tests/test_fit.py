@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -159,6 +160,13 @@ def test_corpus_holds_what_the_target_computes(tiny_target, data, tmp_path):
                 if batch.labels[row, i] != -100:
                     assert tiny_target.logits(states[row, i].float()).argmax() == batch.labels[row, i]
     assert present.any() and not present.all()
+    # ... in every chunk: h_{t+1+i} is the stored position 1+i further on, where that one is t+1+i.
+    every = np.arange(len(corpus))
+    whole = corpus.gather(every, 3, soft=True)
+    for i in range(3):
+        nxt = corpus.gather(np.minimum(every + 1 + i, len(corpus) - 1), 3)
+        same = (nxt.chunk == whole.chunk) & (nxt.t == whole.t + 1 + i)
+        assert torch.equal(whole.soft[1][:, i], same) and torch.equal(whole.soft[0][same, i], nxt.hidden[same])
     from specdraft.train.fit import BLOCK, CorpusTask
     n = min(BLOCK, len(corpus))
     for labels, expect in (("target", corpus.gather(range(n), 3)), ("text", corpus.gather(range(n), 3, label="text"))):

@@ -339,9 +339,9 @@ class Corpus:
             found[rows] = np.where(pos[at] == want, self.starts[c] + at, -1)
         present = found >= 0
         states = torch.zeros(len(t_of), K, d, dtype=torch.bfloat16)
-        if present.any():
-            where = found[present]
-            states[torch.from_numpy(present)] = self._hidden(where, np.searchsorted(self.starts, where, side="right") - 1)
+        if present.any():  # h_{t+1+i} is in t's chunk (a chunk holds whole sequences)
+            states[torch.from_numpy(present)] = self._hidden(found[present],
+                                                             np.broadcast_to(chunk_of[:, None], found.shape)[present])
         return states, torch.from_numpy(present)
 
     def _t_of(self, flat: np.ndarray, chunk_of: np.ndarray) -> np.ndarray:
