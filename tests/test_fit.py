@@ -283,6 +283,7 @@ def test_budget_stops_extraction_and_a_rerun_continues(tiny_target_path, data, a
     assert fit(tiny_target_path, data, out, "--heldout-data", str(answers), "--budget", "0.001s") == 0
     assert "rerun the same command" in capsys.readouterr().err
     assert not (out / "final").exists()
+    assert not (out / "vocab.json").exists()  # made from the whole corpus, when training begins
     assert fit(tiny_target_path, data, out, "--heldout-data", str(answers), "--epochs", "1") == 0
     assert (out / "final" / "model.safetensors").is_file()
 

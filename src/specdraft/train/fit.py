@@ -421,9 +421,9 @@ def run_fit(config: FitConfig) -> int:
         return fit_draft(config, target, budget)
     with sigterm_as_interrupt():
         corpus, held = build_corpora(config, target, budget)
-    vocab = draft_vocabulary(config, corpus, held, int(target.vocab_size))
-    if budget.left() <= 0:
+    if budget.left() <= 0:  # before the vocabulary: it is fixed once made, and the corpus may still grow
         say(f"the budget ended before training; rerun the same command to continue ({len(corpus)} positions so far)")
         return 0
+    vocab = draft_vocabulary(config, corpus, held, int(target.vocab_size))
     train_head(config, target, corpus, held, vocab, budget)
     return 0
