@@ -180,6 +180,35 @@ def test_corpus_holds_what_the_target_computes(tiny_target, data, tmp_path):
                 progress=False)
 
 
+def test_agreeing_labels_keep_the_chains_the_engine_can_feed(tiny_target, data, tmp_path):
+    """--labels agreeing: depth i keeps the target's label only where the text's inputs
+    x_{t+1+j} were the target's choices greedy[t+j] for 0 < j <= i (a right draft feeds
+    exactly that), else -100; depth 1 is the plain target label."""
+    examples = load_examples(str(data), tiny_target.tokenizer, seq_len=48, K=3, eos_ids=tiny_target.eos_ids)
+    extract(tiny_target, examples, tmp_path / "c", corpus_manifest(tiny_target, examples, 48), chunk=64,
+            max_batch_tokens=400, progress=False)
+    # A random target never agrees with the text; make it agree at two of every three slots.
+    path = tmp_path / "c" / "chunk-000000"
+    tokens, greedy = np.load(path / "tokens.npy"), np.load(path / "greedy.npy")
+    u = np.nonzero((greedy[:-1] >= 0) & (np.arange(len(greedy) - 1) % 3 != 0))[0]
+    greedy[u] = tokens[u + 1]
+    np.save(path / "greedy.npy", greedy)
+    corpus = Corpus(tmp_path / "c")
+    assert len(corpus.chunks) == 1
+    every = np.arange(len(corpus))
+    target, agreeing = corpus.gather(every, 3), corpus.gather(every, 3, label="agreeing")
+    t = target.t.numpy()
+    for i in range(3):
+        ok = np.ones(len(t), dtype=bool)
+        for j in range(1, i + 1):
+            ok &= tokens[np.minimum(t + 1 + j, len(tokens) - 1)] == greedy[t + j]
+        expect = torch.where(torch.from_numpy(ok), target.labels[:, i], -100)
+        assert torch.equal(agreeing.labels[:, i], expect)
+        if i:  # both kinds of chain are there, so the rule was exercised both ways
+            assert (agreeing.labels[:, i] != -100).any() and (target.labels[:, i] != agreeing.labels[:, i]).any()
+    assert torch.equal(agreeing.inputs, target.inputs)
+
+
 # ---- the command -------------------------------------------------------------------------------
 
 
@@ -424,6 +453,7 @@ def test_fit_trains_a_draft_model_resumably_and_it_stays_exact(tiny_target_path,
     (["--tokens", "1k"], "--budget or --max-steps"),
     (["--copy-layers", "x"], "copy-layers"),
     (["--init-from", "default", "--copy-layers", "0"], "drop --copy-layers"),
+    (["--labels", "agreeing"], "is for heads"),
 ])
 def test_bad_draft_fit_options_are_one_line_errors(tiny_target_path, data, tmp_path, capsys, argv, message):
     assert fit(tiny_target_path, data, tmp_path / "x", "--drafter", "draft", *argv) == 2

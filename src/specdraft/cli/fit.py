@@ -108,10 +108,11 @@ def add_head_options(p) -> None:
                    help="output over the N tokens the target writes most (0: whole vocabulary) (default: %(default)s)")
     g.add_argument("--head", choices=("own", "shared"), default="own", help="(default: %(default)s)")
     g.add_argument("--future-tokens", "-K", type=int, default=4, metavar="K", help="(default: %(default)s)")
-    g.add_argument("--labels", choices=("target", "text"), default="target",
-                   help="train on the target's own greedy choices (distillation, the paper's recipe) or on "
-                        "the conversations' own next tokens (the paper's no-distillation ablation) "
-                        "(default: %(default)s)")
+    g.add_argument("--labels", choices=("target", "agreeing", "text"), default="target",
+                   help="train on the target's own greedy choices (distillation, the paper's recipe), on those "
+                        "only where the text took the target's choice at every shallower depth (agreeing: "
+                        "the inputs the engine feeds), or on the conversations' own next tokens (the paper's "
+                        "no-distillation ablation) (default: %(default)s)")
     g.add_argument("--num-blocks", type=int, metavar="N",
                    help="residual blocks (default: 2 for redrafter, as the paper; 1 per Medusa head)")
     g.add_argument("--context", type=int, default=0, metavar="C",

@@ -287,8 +287,10 @@ class Corpus:
                soft: bool = False) -> "PositionBatch":
         """The positions ``flat`` (N,) of the flat list, with K depths of inputs and labels.
 
-        label "greedy": the target's choices (training); "text": the sequence's own next
-        tokens (scoring on the target's own answers: the engine's walk). window C > 0 also
+        label "greedy": the target's choices (training); "agreeing": the same, depth i only
+        where the text's x_{t+1+j} was the target's choice greedy[t+j] for every 0 < j <= i
+        (the inputs the engine feeds a head whose shallower drafts were right); "text": the
+        sequence's own next tokens (scoring on the target's own answers: the engine's walk). window C > 0 also
         gathers each position's context window (``PositionBatch.window``): the stored
         positions t-C+1 .. t of the same answer (consecutive token indices). soft: also
         the states h_{t+1+i} whose logits chose each depth's label (``PositionBatch.soft``)."""
@@ -306,9 +308,11 @@ class Corpus:
             for i in range(K):
                 u = np.minimum(t + 1 + i, S - 1)
                 inputs[rows, i] = a["tokens"][u]
-                if label == "greedy":
+                if label in ("greedy", "agreeing"):
                     y = a["greedy"][u].astype(np.int64)
                     ok &= (t + 1 + i < S) & (y >= 0)
+                    if label == "agreeing" and i:  # the engine feeds depth i the depth i-1 draft, right only if
+                        ok &= a["tokens"][u] == a["greedy"][u - 1]  # it was the target's choice greedy[t+i]
                 else:
                     v = np.minimum(t + 2 + i, S - 1)
                     y = a["tokens"][v].astype(np.int64)

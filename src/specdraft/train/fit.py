@@ -77,7 +77,8 @@ class FitConfig:
     heldout_max_new_tokens: int = 256
     draft_vocab: int = 8192
     head: str = "own"
-    labels: str = "target"  # "target": the target's greedy choices (distillation); "text": the data's own tokens
+    labels: str = "target"  # "target": the target's greedy choices (distillation); "agreeing": the same where the
+    # text followed them at the shallower depths (``Corpus.gather``); "text": the data's own tokens
     K: int = 4
     num_blocks: int = 2
     context: int = 0  # redrafter: context attention over the last N target states (0: the paper's head)
@@ -114,11 +115,11 @@ class FitConfig:
                 raise SpecdraftError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.draft_vocab < 0 or not self.lr > 0 or not 0 <= self.warmup < 1 or not 0 < self.extract_share <= 1:
             raise SpecdraftError("need draft-vocab >= 0, lr > 0, 0 <= warmup < 1 and 0 < extract-share <= 1")
-        if not 0 <= self.kl_weight < 1e6 or (self.kl_weight and (self.drafter == "draft" or self.labels != "target")):
+        if not 0 <= self.kl_weight < 1e6 or (self.kl_weight and (self.drafter == "draft" or self.labels == "text")):
             raise SpecdraftError(f"--kl-weight must be >= 0 and is for heads distilled on the target's labels, got "
                                  f"{self.kl_weight} with --drafter {self.drafter} --labels {self.labels}")
-        if self.labels not in ("target", "text"):
-            raise SpecdraftError(f"--labels must be target or text, got {self.labels!r}")
+        if self.labels not in ("target", "agreeing", "text"):
+            raise SpecdraftError(f"--labels must be target, agreeing or text, got {self.labels!r}")
         if self.drafter not in ("redrafter", "medusa", "draft"):
             raise SpecdraftError(f"fit trains redrafter or medusa heads or a draft model, got {self.drafter!r}")
         if self.drafter == "draft":
@@ -145,6 +146,9 @@ class FitConfig:
             raise SpecdraftError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if self.gamma < 1 or self.batch_sequences < 1:
             raise SpecdraftError(f"need gamma >= 1 and batch-sequences >= 1, got {self.gamma} and {self.batch_sequences}")
+        if self.labels != "target":
+            raise SpecdraftError(f"--labels {self.labels} is for heads; a draft model distils the target's "
+                                 "distributions over the conversations")
         if self.tokens is not None:
             raise SpecdraftError("--tokens bounds the heads' extraction; a draft model reads the conversations as "
                                  "it trains: bound it with --budget or --max-steps")
@@ -168,13 +172,14 @@ class CorpusTask:
     def __init__(self, corpus: Corpus, vocab: DraftVocab | None, K: int, device, held_out=None,
                  labels: str = "target", window: int = 0, soft: bool = False):
         """``labels``: "target" trains on the target's greedy choices (the corpus's "greedy"
-        labels), "text" on the conversations' own next tokens (no distillation); window:
+        labels), "agreeing" on those where the text followed them at every shallower depth,
+        "text" on the conversations' own next tokens (no distillation); window:
         the head's context window (0: none); soft: gather the states whose distributions
         the KL term distils (``HeadObjective``, --kl-weight)."""
         self.corpus, self.vocab, self.K, self.device, self.window = corpus, vocab, K, device, window
         self.soft = soft
         self.held_out = held_out
-        self.label = "greedy" if labels == "target" else "text"
+        self.label = {"target": "greedy", "agreeing": "agreeing", "text": "text"}[labels]
 
     def micro_batch(self, indices: list[int]) -> PositionBatch:
         flat = (np.asarray(indices, dtype=np.int64)[:, None] * BLOCK + np.arange(BLOCK)).ravel()
@@ -387,8 +392,10 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
 def signature(config: FitConfig) -> dict:
     keep = ("drafter", "draft_vocab", "head", "K", "num_blocks", "context", "feature_layers", "epochs", "max_steps", "lr", "warmup", "weight_decay", "seed", "init_from",
             "target", "dtype")
-    # kl_weight only when set, so the checkpoints of runs from before the option still resume.
-    return {**{k: getattr(config, k) for k in keep}, **({"kl_weight": config.kl_weight} if config.kl_weight else {})}
+    # kl_weight and labels only when not the default, so the checkpoints of runs from before still resume.
+    extra = {**({"kl_weight": config.kl_weight} if config.kl_weight else {}),
+             **({"labels": config.labels} if config.labels != "target" else {})}
+    return {**{k: getattr(config, k) for k in keep}, **extra}
 
 
 def save_final(head, folder: Path, config: FitConfig, state: TrainState, corpus: Corpus) -> Path:
