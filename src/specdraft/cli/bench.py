@@ -44,8 +44,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     from ..models import DTYPE_CHOICES
 
     g = p.add_argument_group("target model")
-    g.add_argument("--target", default="default", metavar="default|PATH|HUB_ID",
-                   help="the model to decode (default: %(default)s, SmolLM2-135M-Instruct)")
+    g.add_argument("--target", default="default", metavar="default|NAME|PATH|HUB_ID",
+                   help="the model to decode, as for generate --target (default: %(default)s, SmolLM2-135M-Instruct)")
     g.add_argument("--device", default="cpu", metavar="cpu|cuda", help="(default: %(default)s)")
     g.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
                    help="auto: bfloat16 where the device computes it natively, else float32; every method, "

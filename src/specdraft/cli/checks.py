@@ -58,7 +58,7 @@ def check_args(args: argparse.Namespace) -> None:
             if not glob.has_magic(spec) and not Path(spec).expanduser().exists():
                 raise SpecdraftError(f"--text: {spec} does not exist")
     if present("target") and args.target != "default":
-        check_model_folder(args.target, "--target", required=False)
+        check_target_spec(args.target)
     if present("draft"):
         check_model_folder(args.draft, "--draft", required=True)
     if present("drafter") and args.command == "export":  # there a plain checkpoint folder
@@ -104,6 +104,26 @@ def check_text_file(path: str, flag: str) -> None:
         raise SpecdraftError(f"{flag}: {path} is not UTF-8 text (it ends inside a character)") from None
     except OSError as e:
         raise SpecdraftError(f"{flag}: cannot read {path}: {e.strerror}") from None
+
+
+def check_target_spec(spec: str) -> None:
+    """--target: a packaged model's name, a GGUF file (its magic checked), a model folder,
+    or a hub id."""
+    from ..models import PACKAGED
+
+    p = Path(spec).expanduser()
+    if spec in PACKAGED:
+        return
+    if p.is_file() and p.suffix == ".gguf":
+        try:
+            with open(p, "rb") as f:
+                magic = f.read(4)
+        except OSError as e:
+            raise SpecdraftError(f"--target: cannot read {spec}: {e.strerror}") from None
+        if magic != b"GGUF":
+            raise SpecdraftError(f"--target: {spec} is not a GGUF file")
+        return
+    check_model_folder(spec, "--target", required=False)
 
 
 def check_model_folder(path: str, flag: str, required: bool) -> None:

