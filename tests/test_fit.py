@@ -342,6 +342,7 @@ def test_a_rerun_after_training_began_does_not_extend_the_corpus(tiny_target_pat
     (["--heldout-data", "/nonexistent.jsonl"], "not found"),
     (["--context", "-1"], "--context must be >= 0"),
     (["--drafter", "medusa", "--context", "4"], "redrafter option"),
+    (["--drafter", "medusa", "--hidden-in-recurrence"], "redrafter option"),
     (["--feature-layers", "a,b"], "--feature-layers must be"),
     (["--feature-layers", "0,99"], "no layer 99"),
     (["--kl-weight", "-1"], "--kl-weight must be >= 0"),

@@ -1,6 +1,7 @@
-"""ReDrafter beyond the paper: context attention (``heads.context``, ``--context C``) and
-fused feature layers (``--feature-layers``). The engine's window of recent target states
-and its feature-layer states, exactness, and that a fresh head of either kind is the paper's."""
+"""ReDrafter beyond the paper: context attention (``heads.context``, ``--context C``),
+fused feature layers (``--feature-layers``) and h in the recurrence
+(``--hidden-in-recurrence``). The engine's window of recent target states and its
+feature-layer states, exactness, and that a fresh head of each kind is the paper's."""
 
 from __future__ import annotations
 
@@ -119,12 +120,15 @@ def test_the_engines_window_is_the_teacher_forced_one(tiny_target):
     assert checked > 20
 
 
-def test_export_refuses_a_context_head_with_the_reason(tiny_target, tmp_path):
+@pytest.mark.parametrize("option, reason", [({"context": C}, "context attention"),
+                                            ({"feature_layers": [0]}, "fused feature layers"),
+                                            ({"hidden_in_recurrence": True}, "h in its recurrence")])
+def test_export_refuses_a_head_beyond_the_paper_with_the_reason(tiny_target, tmp_path, option, reason):
     from specdraft.errors import SpecdraftError
     from specdraft.heads import export_trtllm
 
-    ReDrafterHead.for_target(tiny_target, context=C).save(tmp_path / "h")
-    with pytest.raises(SpecdraftError, match="context attention"):
+    ReDrafterHead.for_target(tiny_target, **option).save(tmp_path / "h")
+    with pytest.raises(SpecdraftError, match=reason):  # the layout would silently drop those weights
         export_trtllm(tmp_path / "h", tmp_path / "out")
 
 
@@ -205,3 +209,49 @@ def test_a_head_reading_missing_layers_is_refused(tiny_target, tmp_path):
     ReDrafterHead.for_target(tiny_target, feature_layers=[tiny_target.num_layers]).save(tmp_path / "h")
     with pytest.raises(SpecdraftError, match="layers"):
         ReDrafterHead.load(tmp_path / "h", tiny_target)
+
+
+# ---- h in the recurrence -----------------------------------------------------------------------
+
+
+def reading_head(target, seed=0, **kw) -> ReDrafterHead:
+    """A head whose recurrence reads h (V random)."""
+    torch.manual_seed(seed)
+    head = ReDrafterHead.for_target(target, hidden_in_recurrence=True, **kw)
+    with torch.no_grad():
+        head.rnn_h.weight.normal_(0, 0.5)
+    return head.eval().requires_grad_(False)
+
+
+def test_a_fresh_reading_head_is_the_papers_head(tiny_target):
+    torch.manual_seed(0)
+    fresh = ReDrafterHead.for_target(tiny_target, hidden_in_recurrence=True).eval()
+    paper = ReDrafterHead.for_target(tiny_target).eval()
+    paper.load_state_dict({k: v for k, v in fresh.state_dict().items() if not k.startswith("rnn_h.")})
+    assert torch.equal(fresh.recurrence_bias(torch.randn(3, tiny_target.hidden_size)), torch.zeros(3, tiny_target.hidden_size))
+    kw = dict(beam_width=2, beam_length=3)
+    assert run(tiny_target, ReDrafter(fresh, **kw), PROMPTS) == run(tiny_target, ReDrafter(paper, **kw), PROMPTS)
+
+
+@pytest.mark.parametrize("variant", ["own", "shared"])
+def test_greedy_output_is_the_targets_when_the_recurrence_reads_h(tiny_target, variant):
+    drafter = ReDrafter(reading_head(tiny_target, head=variant, feature_layers=LAYERS), beam_width=3, beam_length=4)
+    plain = run(tiny_target, NoDrafter(), PROMPTS)
+    assert run(tiny_target, drafter, PROMPTS) == plain
+    assert [run(tiny_target, drafter, [p])[0] for p in PROMPTS] == plain
+
+
+def test_a_reading_head_round_trips_and_drafts_differently(tiny_target, tmp_path):
+    head = reading_head(tiny_target)
+    head.save(tmp_path / "h")
+    loaded = ReDrafterHead.load(tmp_path / "h", tiny_target)
+    assert loaded.config.hidden_in_recurrence
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in head.state_dict().items())
+    paper = ReDrafterHead.for_target(tiny_target).eval()
+    paper.load_state_dict({k: v for k, v in head.state_dict().items() if not k.startswith("rnn_h.")})
+    h, g0 = torch.randn(2, tiny_target.hidden_size), torch.tensor([3, 5])
+    from specdraft.heads.beam_search import redrafter_beam_search
+    with torch.no_grad():  # V·h changes the drafts' scores: the recurrence does read it
+        ours, theirs = (redrafter_beam_search(x, h, g0, 2, 3).scores for x in (loaded, paper))
+    assert not torch.allclose(ours, theirs)
+

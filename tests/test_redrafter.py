@@ -49,9 +49,12 @@ def generate_ids(target, drafter, prompts, **params):
 # ---- the head ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant", ["own", "shared"])
-def test_teacher_forced_equals_inference_recurrence(tiny_target, variant):
-    head = make_head(tiny_target, variant)
+@pytest.mark.parametrize("variant, reads_h", [("own", False), ("shared", False), ("shared", True)])
+def test_teacher_forced_equals_inference_recurrence(tiny_target, variant, reads_h):
+    head = make_head(tiny_target, variant, hidden_in_recurrence=reads_h)
+    if reads_h:
+        with torch.no_grad():
+            head.rnn_h.weight.normal_(0, 0.5)  # V·h must matter
     B, T, K, d = 2, 7, 3, tiny_target.hidden_size
     tokens = torch.randint(0, tiny_target.vocab_size, (B, T), generator=torch.Generator().manual_seed(1))
     hidden = torch.randn(B, T, d, generator=torch.Generator().manual_seed(2))
@@ -62,7 +65,8 @@ def test_teacher_forced_equals_inference_recurrence(tiny_target, variant):
         for i in range(K):
             if t + 1 + i >= T:
                 break
-            state = head.step(state, tokens[b, t + 1 + i])  # fed x_{t+1}, ..., x_{t+1+i}
+            # fed x_{t+1}, ..., x_{t+1+i}, and (reads_h) V·h_t at every step
+            state = head.step(state, tokens[b, t + 1 + i], head.recurrence_bias(hidden[b, t]))
             torch.testing.assert_close(out[b, t, i], head.logits(hidden[b, t], state))
     labels = future_labels(tokens, K)
     assert labels.shape == (B, T, K)

@@ -78,11 +78,14 @@ def random_examples(V: int, lengths=(9, 13)) -> list[Example]:
     return out
 
 
-@pytest.mark.parametrize("arch, variant", [("redrafter", "own"), ("redrafter", "shared"), ("medusa", "own")])
+@pytest.mark.parametrize("arch, variant", [("redrafter", "own"), ("redrafter", "shared"), ("redrafter", "reads-h"),
+                                           ("medusa", "own")])
 def test_objective_logits_equal_the_heads_teacher_forced_logits(tiny_target, arch, variant):
     K = 3
     torch.manual_seed(0)
-    head = (ReDrafterHead.for_target(tiny_target, head=variant) if arch == "redrafter"
+    reads_h = variant == "reads-h"  # a shared head whose recurrence reads h
+    head = (ReDrafterHead.for_target(tiny_target, head="shared" if reads_h else variant, hidden_in_recurrence=reads_h)
+            if arch == "redrafter"
             else MedusaHeads.for_target(tiny_target, num_heads=K, head=variant))
     with torch.no_grad():  # Medusa starts with zero blocks: make them matter
         for p in head.parameters():

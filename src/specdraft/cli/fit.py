@@ -121,6 +121,9 @@ def add_head_options(p) -> None:
     g.add_argument("--feature-layers", metavar="I,J,...",
                    help="redrafter, beyond the paper: fuse the target's states after these layers (0-based) with "
                         "its last one, as EAGLE-3 (default: none, the paper's head)")
+    g.add_argument("--hidden-in-recurrence", action="store_true",
+                   help="redrafter, beyond the paper: its recurrence reads h at every step, not only its "
+                        "output layer (s_t = SiLU(W·E[x_t] + U·s_{t-1} + V·h + b))")
     g.add_argument("--kl-weight", type=float, default=0.0, metavar="λ",
                    help="beyond the paper: add λ·KL(p‖q), p the target's whole next-token distribution (over the "
                         "draft vocabulary), to the cross-entropy on its greedy choice (default: %(default)s)")
@@ -137,7 +140,8 @@ def config_from(args: argparse.Namespace):
                        tokens=parse_count(args.tokens) if args.tokens else None,
                        budget_seconds=parse_duration(args.budget) if args.budget else None,
                        extract_share=args.extract_share, heldout_prompts=args.heldout_prompts,
-                       draft_vocab=args.draft_vocab, head=args.head, labels=args.labels, K=args.future_tokens, context=args.context, feature_layers=parse_layers(args.feature_layers), kl_weight=args.kl_weight, num_blocks=args.num_blocks if args.num_blocks is not None else (2 if args.drafter == "redrafter" else 1),
+                       draft_vocab=args.draft_vocab, head=args.head, labels=args.labels, K=args.future_tokens, context=args.context, feature_layers=parse_layers(args.feature_layers),
+                       hidden_in_recurrence=args.hidden_in_recurrence, kl_weight=args.kl_weight, num_blocks=args.num_blocks if args.num_blocks is not None else (2 if args.drafter == "redrafter" else 1),
                        epochs=args.epochs, max_steps=args.max_steps, batch_positions=args.batch_positions,
                        lr=args.lr if args.lr is not None else DEFAULT_LR[args.drafter], warmup=args.warmup,
                        loss=args.loss, copy_layers=args.copy_layers, gamma=args.gamma,

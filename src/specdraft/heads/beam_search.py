@@ -133,7 +133,8 @@ def redrafter_beam_search(head, hidden: torch.Tensor, g0: torch.Tensor, width: i
     embeds target ids) and in the result.
     """
     h = hidden[:, None, :]  # (B, 1, d), broadcast over beams
-    s1 = head.step(head.initial_state((g0.shape[0], 1), device=g0.device), g0[:, None])
+    bias = head.recurrence_bias(h)  # (B, 1, d) or 0: the same for every beam and depth
+    s1 = head.step(head.initial_state((g0.shape[0], 1), device=g0.device), g0[:, None], bias)
     vocab = head.draft_vocab
     to_target = (lambda t: t) if vocab is None else vocab.to_target
 
@@ -141,7 +142,7 @@ def redrafter_beam_search(head, hidden: torch.Tensor, g0: torch.Tensor, width: i
         return torch.log_softmax(head.draft_logits(h, state), dim=-1)
 
     def advance(state, parent, token):
-        return head.step(_gather_beams(state, parent), to_target(token))
+        return head.step(_gather_beams(state, parent), to_target(token), bias)
 
     result = beam_search(g0, s1, log_probs, advance, width, length)
     if vocab is not None:

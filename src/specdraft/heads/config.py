@@ -95,7 +95,8 @@ class ReDrafterConfig(HeadConfig):
     context: C > 0 adds context attention over the last C target states
     (``heads.context``, beyond the paper); 0 is the paper's head. context_heads: its
     attention heads (must divide hidden_size). feature_layers: target layers (0-based)
-    whose outputs the head fuses with h (beyond the paper, as EAGLE-3); [] is the paper's."""
+    whose outputs the head fuses with h (beyond the paper, as EAGLE-3); [] is the paper's.
+    hidden_in_recurrence: the recurrence also reads h at every step (beyond the paper)."""
 
     KIND = "redrafter"
 
@@ -103,9 +104,13 @@ class ReDrafterConfig(HeadConfig):
     context: int = 0
     context_heads: int = 1
     feature_layers: list = field(default_factory=list)
+    hidden_in_recurrence: bool = False
 
     def validate(self) -> None:
         super().validate()
+        if not isinstance(self.hidden_in_recurrence, bool):
+            raise SpecdraftError(f"redrafter config: hidden_in_recurrence must be true or false, "
+                                 f"got {self.hidden_in_recurrence!r}")
         for name in ("num_blocks", "context"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -78,10 +78,14 @@ def export_trtllm(checkpoint_dir: str | Path, out_dir: str | Path, target=None) 
         raise SpecdraftError(f"{checkpoint_dir} drafts over a draft vocabulary of {config.draft_vocab} tokens; "
                              "TensorRT-LLM's ReDrafter layout has no draft vocabulary (no id map, no bias to "
                              "mask the other tokens): export a head trained with --draft-vocab 0")
-    if config.context:
-        raise SpecdraftError(f"{checkpoint_dir} has context attention (--context {config.context}), which "
-                             "TensorRT-LLM's ReDrafter layout cannot hold (its drafter reads one hidden state): "
-                             "export a head trained with --context 0")
+    beyond = [name for name, used in (("context attention (--context)", config.context),
+                                      ("fused feature layers (--feature-layers)", config.feature_layers),
+                                      ("h in its recurrence (--hidden-in-recurrence)", config.hidden_in_recurrence))
+              if used]
+    if beyond:
+        # The layout's drafter reads the last hidden state alone, through the paper's recurrence.
+        raise SpecdraftError(f"{checkpoint_dir} has {' and '.join(beyond)}, which TensorRT-LLM's ReDrafter layout "
+                             "cannot hold: export a head of the paper's shape")
     state = load_weights(checkpoint_dir)
     with torch.device("meta"):  # shapes only: no memory, no random init
         check_state(ReDrafterHead(config, parts=None), state, checkpoint_dir)  # type: ignore[arg-type]

@@ -22,8 +22,8 @@ ordinary distribution over V that is zero outside the draft vocabulary).
 logits_t is the drafter's distribution of x_{t+1}: with x_1 = g0 = the token after the
 last accepted one, logits_1 predicts the token after g0.
 
-Beyond the paper, two options change what the head starts from (both start as the paper's
-head, and both are computed once per step):
+Beyond the paper, two options change what the head starts from and one what its recurrence
+reads (each starts as the paper's head, and each is computed once per step):
 - ``config.feature_layers`` = [a, b, ...]: h is replaced by F·[rms(s^a) ; rms(s^b) ; ... ; h]
   with s^l the target's residual stream after layer l at the same token and rms an RMS
   normalisation without weights (EAGLE-3's fusion of low, middle and high layers; F starts
@@ -31,6 +31,9 @@ head, and both are computed once per step):
 - ``config.context`` = C > 0: then h is replaced by a_t, context attention over the last C
   target states paired with their next tokens (``heads.context``; a fresh one starts as the
   identity, a_t = h_t): ``contextualize``.
+- ``config.hidden_in_recurrence``: s_t = SiLU(W·E[x_t] + U·s_{t-1} + V·h + b), so the state
+  that carries depths 2, 3, ... sees the context summary too, not only the output layer
+  (V: d×d, starts at 0): ``recurrence_bias``.
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ class ReDrafterHead(nn.Module):
     out.weight (V, 2d) for head "own", or proj.weight (d, 2d) for head "shared";
     with a draft vocabulary of N tokens: out.weight (N, 2d), and the buffers
     draft_vocab.d2t (N,) and draft_vocab.t2d (V,); with context C: context.* (see
-    ``ContextAttention``); with feature layers a, b, ...: fuse.weight (d, (n+1)·d).
+    ``ContextAttention``); with feature layers a, b, ...: fuse.weight (d, (n+1)·d); with
+    hidden_in_recurrence: rnn_h.weight (d, d).
 
     The target's embeddings and LM head are used through ``parts`` and never stored.
     """
@@ -85,6 +89,10 @@ class ReDrafterHead(nn.Module):
             self.proj = nn.Linear(2 * d, d, bias=False)
         self.draft_vocab = DraftVocab(config.draft_vocab, V) if config.draft_vocab else None
         self.context = ContextAttention(d, config.context, config.context_heads) if config.context else None
+        self.rnn_h = None
+        if config.hidden_in_recurrence:
+            self.rnn_h = nn.Linear(d, d, bias=False)
+            nn.init.zeros_(self.rnn_h.weight)  # a fresh one is the paper's recurrence
         self.fuse = None
         if config.feature_layers:
             n = len(config.feature_layers)
@@ -96,7 +104,8 @@ class ReDrafterHead(nn.Module):
     @classmethod
     def for_target(cls, target, num_blocks: int = 2, head: str = "own", beam_width: int = 4,
                    beam_length: int = 5, draft_vocab: DraftVocab | None = None,
-                   context: int = 0, feature_layers: list[int] | None = None) -> "ReDrafterHead":
+                   context: int = 0, feature_layers: list[int] | None = None,
+                   hidden_in_recurrence: bool = False) -> "ReDrafterHead":
         """A freshly initialised head for ``target`` (a ``specdraft.models.Target``),
         on the target's device, in float32; its output covers ``draft_vocab`` if given;
         ``context`` > 0 adds context attention over that many states (heads of width 64
@@ -107,7 +116,8 @@ class ReDrafterHead(nn.Module):
                                  beam_length=beam_length, target=target_signature(target),
                                  draft_vocab=draft_vocab.size if draft_vocab is not None else 0,
                                  context=context, context_heads=d // 64 if d % 64 == 0 else 1,
-                                 feature_layers=list(feature_layers or []))
+                                 feature_layers=list(feature_layers or []),
+                                 hidden_in_recurrence=hidden_in_recurrence)
         made = cls(config, TargetParts.of(target))
         if draft_vocab is not None:
             made.draft_vocab.set_ids(draft_vocab.ids())
@@ -138,9 +148,15 @@ class ReDrafterHead(nn.Module):
         """W·E[x] for tokens (...,) long -> (..., d). Computed once per token in training."""
         return self.rnn_w(self.parts.embed(tokens).to(self.dtype))
 
-    def step(self, state: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """s_t = SiLU(W·E[x_t] + U·s_{t-1} + b): state (..., d), tokens (...,) -> (..., d)."""
-        return self.step_embedded(state, self.embed_input(tokens))
+    def recurrence_bias(self, hidden: torch.Tensor) -> torch.Tensor | float:
+        """V·h (..., d) for h (..., d), the same at every step of one draft; 0 for the
+        paper's recurrence (which never reads h)."""
+        return self.rnn_h(hidden.to(self.dtype)) if self.rnn_h is not None else 0.0
+
+    def step(self, state: torch.Tensor, tokens: torch.Tensor, bias: torch.Tensor | float = 0.0) -> torch.Tensor:
+        """s_t = SiLU(W·E[x_t] + U·s_{t-1} + b (+ V·h: ``bias``, ``recurrence_bias``)):
+        state (..., d), tokens (...,), bias broadcastable to (..., d) -> (..., d)."""
+        return self.step_embedded(state, self.embed_input(tokens) + bias)
 
     def step_embedded(self, state: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """The recurrence with W·E[x_t] already computed: (..., d), (..., d) -> (..., d)."""
@@ -220,13 +236,14 @@ class ReDrafterHead(nn.Module):
         """
         B, T = tokens.shape
         embedded = self.embed_input(tokens)  # (B, T, d): W·E[x_u] for every u
+        bias = self.recurrence_bias(hidden)  # V·h_t: position t's own, not shifted
         state = self.initial_state((B, T), device=tokens.device)
         out = []
         for i in range(K):
             # Iteration i at position t consumes x_{t+1+i}: the embedded inputs shifted left.
             shift = 1 + i
             step_in = F.pad(embedded[:, shift:], (0, 0, 0, min(shift, T)))
-            state = self.step_embedded(state, step_in)
+            state = self.step_embedded(state, step_in + bias)
             out.append(self.logits(hidden, state))
         return torch.stack(out, dim=2)
 

@@ -83,6 +83,7 @@ class FitConfig:
     num_blocks: int = 2
     context: int = 0  # redrafter: context attention over the last N target states (0: the paper's head)
     feature_layers: list[int] = field(default_factory=list)  # redrafter: fuse these target layers' states with h
+    hidden_in_recurrence: bool = False  # redrafter: its recurrence reads h at every step (V·h)
     kl_weight: float = 0.0  # λ: + λ·KL(p ‖ q) against the target's distribution (``train.heads``), 0: CE only
     epochs: int = 2
     max_steps: int | None = None  # cap on optimizer steps (the LR schedule spans the cap)
@@ -130,6 +131,8 @@ class FitConfig:
             raise SpecdraftError(f"data-offset must be >= 0, got {self.data_offset}")
         if self.feature_layers and self.drafter != "redrafter":
             raise SpecdraftError(f"--feature-layers is a redrafter option, not {self.drafter}'s")
+        if self.hidden_in_recurrence and self.drafter != "redrafter":
+            raise SpecdraftError(f"--hidden-in-recurrence is a redrafter option, not {self.drafter}'s")
         if self.context < 0 or (self.context and self.drafter != "redrafter"):
             raise SpecdraftError(f"--context must be >= 0 and is a redrafter option, got {self.context} "
                                  f"for {self.drafter}")
@@ -294,7 +297,8 @@ def build_objective(config: FitConfig, target, vocab: DraftVocab | None):
         head = ReDrafterHead.for_target(target, num_blocks=config.num_blocks, head=config.head,
                                         beam_width=config.beam_width, beam_length=config.beam_length,
                                         draft_vocab=vocab, context=config.context,
-                                        feature_layers=config.feature_layers)
+                                        feature_layers=config.feature_layers,
+                                        hidden_in_recurrence=config.hidden_in_recurrence)
     if config.init_from:
         warm_start(head, type(head).load(checkpoint_path(config.drafter, config.init_from), target))
     elif config.head == "shared" and config.drafter == "redrafter":
@@ -324,8 +328,9 @@ def warm_start(head: torch.nn.Module, warm: torch.nn.Module) -> None:
                                  f"({tuple(mine[name].shape) if name in mine else 'absent'}); use the same "
                                  "--head and --num-blocks as the checkpoint")
         loaded[name] = value.float()
-    # A head with context or feature layers may start from a paper head: those parts start as the identity.
-    missing = [k for k in mine if k not in loaded and not k.startswith(("draft_vocab.", "context.", "fuse."))]
+    # A head with context, feature layers or V·h may start from a paper head: those parts start as the identity.
+    fresh = ("draft_vocab.", "context.", "fuse.", "rnn_h.")
+    missing = [k for k in mine if k not in loaded and not k.startswith(fresh)]
     if missing:
         raise SpecdraftError(f"--init-from: the checkpoint has no {', '.join(missing)}; use the same --head and "
                              "--num-blocks as the checkpoint")
@@ -392,8 +397,9 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
 def signature(config: FitConfig) -> dict:
     keep = ("drafter", "draft_vocab", "head", "K", "num_blocks", "context", "feature_layers", "epochs", "max_steps", "lr", "warmup", "weight_decay", "seed", "init_from",
             "target", "dtype")
-    # kl_weight and labels only when not the default, so the checkpoints of runs from before still resume.
+    # Options added later only when not the default, so the checkpoints of runs from before still resume.
     extra = {**({"kl_weight": config.kl_weight} if config.kl_weight else {}),
+             **({"hidden_in_recurrence": True} if config.hidden_in_recurrence else {}),
              **({"labels": config.labels} if config.labels != "target" else {})}
     return {**{k: getattr(config, k) for k in keep}, **extra}
 

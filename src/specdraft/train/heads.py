@@ -98,9 +98,10 @@ class HeadObjective(nn.Module):
                 yield i, head.head_logits(i, hidden[valid[:, i]])
             return
         embedded = head.embed_input(inputs)  # (N, K, d)
+        bias = head.recurrence_bias(hidden)  # (N, d) or 0
         state = head.initial_state((inputs.shape[0],), device=inputs.device)
         for i in range(self.K):
-            state = head.step_embedded(state, embedded[:, i])
+            state = head.step_embedded(state, embedded[:, i] + bias)
             # The output layer (2d -> N) dominates the cost: only rows with a label.
             yield i, head.draft_logits(hidden[valid[:, i]], state[valid[:, i]])
 
