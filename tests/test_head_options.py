@@ -13,6 +13,7 @@ from specdraft.drafters import NoDrafter
 from specdraft.drafters.redrafter import ReDrafter
 from specdraft.drafters.base import single_beam
 from specdraft.heads import ReDrafterHead
+from specdraft.heads.beam_search import redrafter_beam_search
 from specdraft.recent import RecentStates
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [3]]
@@ -148,25 +149,42 @@ def test_a_context_head_round_trips(tiny_target, tmp_path):
 LAYERS = [0, 1]
 
 
-def fused_head(target, seed=0, **kw) -> ReDrafterHead:
-    """A head whose fusion is not the identity (F random)."""
+def with_random(target, module: str, std: float, seed=0, **kw) -> ReDrafterHead:
+    """A head built with options ``kw`` whose ``module`` (an option's part, which starts as
+    the identity or zero) has random weights, so that the option matters."""
     torch.manual_seed(seed)
-    head = ReDrafterHead.for_target(target, feature_layers=LAYERS, **kw)
+    head = ReDrafterHead.for_target(target, **kw)
     with torch.no_grad():
-        head.fuse.weight.normal_(0, 0.3)
+        getattr(head, module).weight.normal_(0, std)
     return head.eval().requires_grad_(False)
 
 
-def test_a_fresh_fused_head_is_the_papers_head(tiny_target):
+def papers_twin(head: ReDrafterHead, target, module: str) -> ReDrafterHead:
+    """The paper's head with ``head``'s weights, without ``module``."""
+    paper = ReDrafterHead.for_target(target).eval()
+    paper.load_state_dict({k: v for k, v in head.state_dict().items() if not k.startswith(module + ".")})
+    return paper
+
+
+def fused_head(target, seed=0, **kw) -> ReDrafterHead:
+    """A head whose fusion is not the identity (F random)."""
+    return with_random(target, "fuse", 0.3, seed, feature_layers=LAYERS, **kw)
+
+
+@pytest.mark.parametrize("option, module", [({"feature_layers": LAYERS}, "fuse"),
+                                            ({"hidden_in_recurrence": True}, "rnn_h")], ids=["fused", "reads-h"])
+def test_a_fresh_head_beyond_the_paper_is_the_papers_head(tiny_target, option, module):
     torch.manual_seed(0)
-    fresh = ReDrafterHead.for_target(tiny_target, feature_layers=LAYERS).eval()
-    paper = ReDrafterHead.for_target(tiny_target).eval()
-    paper.load_state_dict({k: v for k, v in fresh.state_dict().items() if not k.startswith("fuse.")})
+    fresh = ReDrafterHead.for_target(tiny_target, **option).eval()
+    paper = papers_twin(fresh, tiny_target, module)
     h = torch.randn(3, tiny_target.hidden_size)
     features = torch.randn(3, len(LAYERS), tiny_target.hidden_size) * 5
-    assert torch.equal(fresh.fuse_features(h, features), h)
-    kw = dict(beam_width=2, beam_length=3)
-    assert run(tiny_target, ReDrafter(fresh, **kw), PROMPTS) == run(tiny_target, ReDrafter(paper, **kw), PROMPTS)
+    assert torch.equal(fresh.fuse_features(h, features), h)  # the fusion starts as the identity
+    assert not torch.as_tensor(fresh.recurrence_bias(h)).any()  # and V·h at zero
+    g0 = torch.tensor([3, 5, 7])
+    with torch.no_grad():  # so both draft the same beams with the same scores (the output is the target's anyway)
+        ours, theirs = (redrafter_beam_search(x, x.fuse_features(h, features), g0, 2, 3) for x in (fresh, paper))
+    assert torch.equal(ours.beams, theirs.beams) and torch.equal(ours.scores, theirs.scores)
 
 
 @pytest.mark.parametrize("variant", ["own", "shared"])
@@ -216,21 +234,7 @@ def test_a_head_reading_missing_layers_is_refused(tiny_target, tmp_path):
 
 def reading_head(target, seed=0, **kw) -> ReDrafterHead:
     """A head whose recurrence reads h (V random)."""
-    torch.manual_seed(seed)
-    head = ReDrafterHead.for_target(target, hidden_in_recurrence=True, **kw)
-    with torch.no_grad():
-        head.rnn_h.weight.normal_(0, 0.5)
-    return head.eval().requires_grad_(False)
-
-
-def test_a_fresh_reading_head_is_the_papers_head(tiny_target):
-    torch.manual_seed(0)
-    fresh = ReDrafterHead.for_target(tiny_target, hidden_in_recurrence=True).eval()
-    paper = ReDrafterHead.for_target(tiny_target).eval()
-    paper.load_state_dict({k: v for k, v in fresh.state_dict().items() if not k.startswith("rnn_h.")})
-    assert torch.equal(fresh.recurrence_bias(torch.randn(3, tiny_target.hidden_size)), torch.zeros(3, tiny_target.hidden_size))
-    kw = dict(beam_width=2, beam_length=3)
-    assert run(tiny_target, ReDrafter(fresh, **kw), PROMPTS) == run(tiny_target, ReDrafter(paper, **kw), PROMPTS)
+    return with_random(target, "rnn_h", 0.5, seed, hidden_in_recurrence=True, **kw)
 
 
 @pytest.mark.parametrize("variant", ["own", "shared"])
@@ -247,10 +251,8 @@ def test_a_reading_head_round_trips_and_drafts_differently(tiny_target, tmp_path
     loaded = ReDrafterHead.load(tmp_path / "h", tiny_target)
     assert loaded.config.hidden_in_recurrence
     assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in head.state_dict().items())
-    paper = ReDrafterHead.for_target(tiny_target).eval()
-    paper.load_state_dict({k: v for k, v in head.state_dict().items() if not k.startswith("rnn_h.")})
+    paper = papers_twin(head, tiny_target, "rnn_h")
     h, g0 = torch.randn(2, tiny_target.hidden_size), torch.tensor([3, 5])
-    from specdraft.heads.beam_search import redrafter_beam_search
     with torch.no_grad():  # V·h changes the drafts' scores: the recurrence does read it
         ours, theirs = (redrafter_beam_search(x, h, g0, 2, 3).scores for x in (loaded, paper))
     assert not torch.allclose(ours, theirs)
