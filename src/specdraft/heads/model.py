@@ -156,7 +156,9 @@ class ReDrafterHead(nn.Module):
     def step(self, state: torch.Tensor, tokens: torch.Tensor, bias: torch.Tensor | float = 0.0) -> torch.Tensor:
         """s_t = SiLU(W·E[x_t] + U·s_{t-1} + b (+ V·h: ``bias``, ``recurrence_bias``)):
         state (..., d), tokens (...,), bias broadcastable to (..., d) -> (..., d)."""
-        return self.step_embedded(state, self.embed_input(tokens) + bias)
+        embedded = self.embed_input(tokens)
+        # The paper's head (bias 0.0) skips the add: one elementwise op less per draft depth.
+        return self.step_embedded(state, embedded if isinstance(bias, float) and bias == 0.0 else embedded + bias)
 
     def step_embedded(self, state: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """The recurrence with W·E[x_t] already computed: (..., d), (..., d) -> (..., d)."""
