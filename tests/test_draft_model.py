@@ -308,8 +308,8 @@ def test_compiled_draft_is_exact_and_warm(tmp_path):
     assert drafter.compile(backend="aot_eager")
     engine = SpeculativeEngine(target, drafter, max_tree_tokens=None)
     warm_up(engine)
-    assert drafter.stance == "eager_on_recompile"  # what serving runs under: never a stall
-    drafter.stance = "fail_on_recompile"  # here: prove that warm_up left nothing to compile
+    assert drafter.draft.stance == "eager_on_recompile"  # what serving runs under: never a stall
+    drafter.draft.stance = "fail_on_recompile"  # here: prove that warm_up left nothing to compile
     for n_rows, temperature in ((3, 0.0), (1, 1.0), (4, 1.0)):
         prompts = _prompts([4, 11, 7, 20][:n_rows], seed=n_rows)
         params = [SamplingParams(max_new_tokens=17 + 4 * i, ignore_eos=True, temperature=temperature, top_p=0.9,

@@ -27,6 +27,7 @@ class EngineSpec:
     max_tree_tokens: int | str | None = "auto"  # a cap, 'auto' (the engine decides) or None (no cap)
     adaptive: str = "off"
     compile_drafter: bool = False  # torch.compile the drafter's model code, then warm_up
+    compile_target: bool = False  # torch.compile the target's decoder stack, then warm_up
 
 
 def build_engine(spec: EngineSpec):
@@ -38,9 +39,11 @@ def build_engine(spec: EngineSpec):
     with quiet_loading():
         target = load_target(spec.target, spec.device, spec.dtype, spec.trust_remote_code)
         drafter = build_drafter(spec.drafter, target, spec.beam_width, spec.beam_length, spec.gamma)
+    if spec.compile_target:
+        compile_target(target)  # before the cost model: adaptive drafting weighs the compiled forward's cost
     engine = SpeculativeEngine(target, drafter, max_tree_tokens=spec.max_tree_tokens,
                                policy=adaptive_policy(target, drafter, spec.adaptive))
-    if spec.compile_drafter and drafter.compile():
+    if (spec.compile_drafter and drafter.compile()) or spec.compile_target:
         warm_up(engine)
     return engine
 
@@ -49,8 +52,23 @@ WARM_UP_PROMPT = "Count from one to thirty, in words, separated by commas."
 WARM_UP_TOKENS = 24
 
 
+def compile_target(target, backend: str = "inductor") -> None:
+    """``Target.compile``, then compile the shape classes the engine feeds before anything is
+    timed or served: one and two rows, a prefill into an empty cache, then 1, 2 and 5 tokens
+    after a cached prefix (torch.compile specialises sizes 0 and 1; other sizes are dynamic).
+    Shapes met later still compile until ``warm_up`` ends with ``Target.warmed``."""
+    from .timing import prefill, time_forward
+
+    target.compile(backend)
+    prefix = min(16, target.max_context // 4)
+    for rows in (1, 2):
+        cache = prefill(target, prefix, 2 * prefix, rows=rows)
+        for n in (1, 2, 5):
+            time_forward(target, cache, min(n, prefix), prefix, trials=0, warmup=1)
+
+
 def warm_up(engine) -> None:
-    """Generate a little at batch 1 and at batch 2, so that a compiled drafter compiles the
+    """Generate a little at batch 1 and at batch 2, so that a compiled drafter or target compiles the
     shapes serving meets (a prompt, then steps feeding one and several tokens; torch.compile
     specialises sizes 0 and 1) before the first request; after it a shape not seen yet runs
     eager (``Drafter.warmed``). The policy is detached meanwhile: compiling takes seconds
@@ -70,6 +88,7 @@ def warm_up(engine) -> None:
     finally:
         engine.policy = policy
     engine.drafter.warmed()
+    target.warmed()
 
 
 def adaptive_policy(target, drafter, mode: str):

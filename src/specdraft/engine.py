@@ -350,7 +350,8 @@ class SpeculativeEngine:
         groups = prefill_groups([len(r.prompt) for r in rows])
         hidden, features, caches = [], [], []
         for group in groups:
-            cache = CompactCache(self.target.num_layers, len(group), capacity, device)
+            cache = CompactCache(self.target.num_layers, len(group), capacity, device).allocate(
+                *self.target.kv_shape, self.target.dtype)  # a compiled target then meets one kind of cache
             found = self._prefill_padded([rows[i] for i in group], cache)
             hidden.append(found[0])
             features.append(found[1])

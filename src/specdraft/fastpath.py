@@ -216,7 +216,11 @@ def chunked_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     rows, q = QUERY_CHUNK.get(query.dtype), query.shape[2]
-    if _depth == 0 or rows is None or q <= rows or key.shape[2] <= q or query.device.type != "cpu":
+    # Compiled (Target.compile), chunks would not be bitwise one-token decoding anyway (inductor's
+    # kernels differ per shape) and would make every tree size its own graph.
+    # (Tested first: a size test before it would become a guard, one graph per side of it.)
+    if (torch.compiler.is_compiling() or _depth == 0 or rows is None or q <= rows or key.shape[2] <= q
+            or query.device.type != "cpu"):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     outs = []
     for s in range(0, q, rows):

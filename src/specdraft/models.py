@@ -14,7 +14,7 @@ import os
 import shutil
 import sys
 import tempfile
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -219,6 +219,8 @@ class Target:
         self.sliding_window = getattr(cfg, "sliding_window", None) if "sliding_attention" in layer_types else None
         self.mask_by_layer_type = bool(layer_types)
         self.eos_ids = self._eos_ids()
+        self.compiled = False  # the decoder stack runs through torch.compile (``compile``)
+        self.stance = "default"  # torch.compiler stance of compiled forwards (``warmed``)
 
     def check_new_tokens(self, max_new_tokens: int, flag: str = "--max-new-tokens") -> None:
         """One line if ``max_new_tokens`` alone exceeds the context: no prompt could leave room
@@ -257,10 +259,35 @@ class Target:
         attn = self._masks(mask, positions, cache) if self.sliding_window else mask
         if self.mask_by_layer_type and not isinstance(attn, dict):
             attn = {"full_attention": attn}
-        with fastpath.active():
+        with fastpath.active(), ExitStack() as compiled:
+            if self.compiled:  # one grad mode and layout for every caller: a change of either is a guard, every graph again
+                compiled.enter_context(torch.compiler.set_stance(self.stance))
+                compiled.enter_context(torch.no_grad())
+                tokens, positions = tokens.contiguous(), positions.contiguous()  # an expand()ed input has stride 0
             out = self.base(input_ids=tokens, attention_mask=attn, position_ids=positions,
                             past_key_values=cache, use_cache=True)
         return out.last_hidden_state
+
+    def compile(self, backend: str = "inductor") -> None:
+        """Run the decoder stack (not the LM head) through ``torch.compile`` (``backend``,
+        dynamic shapes), in place and once. Compiled kernels round differently from eager
+        ones, so outputs may part from eager decoding at numerical near-ties (``specdraft
+        parity`` tells); the first forward of each shape class compiles (minutes for a
+        target): ``build.warm_up`` does that before the first request, then ``warmed``."""
+        if self.compiled:
+            return
+        fastpath.stock_linear(self.base)  # inductor picks its own kernels; the row test would only specialise
+        # Batch 1 or more rows, one or more tokens fed, a fresh feed: each its own graph
+        # (torch specialises sizes 0 and 1); the default limit of 8 leaves no margin.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+        self.base = torch.compile(self.base, dynamic=True, backend=backend)
+        self.compiled, self.stance = True, "default"
+
+    def warmed(self) -> None:
+        """Warm-up is done: from now on a shape not compiled yet runs eager, since a compile
+        would stall a step for seconds to minutes."""
+        if self.compiled:
+            self.stance = "eager_on_recompile"
 
     @contextmanager
     def layer_outputs(self, layers: tuple[int, ...]) -> Iterator[dict]:

@@ -52,7 +52,7 @@ def time_forward(target: Target, cache: CompactCache, n: int, prefix: int, trial
 def prefill(target: Target, prefix: int, capacity: int, rows: int = 1) -> CompactCache:
     """A cache of ``rows`` rows, each holding ``prefix`` random tokens, committed."""
     device = target.device
-    cache = CompactCache(target.num_layers, rows, capacity, device)
+    cache = CompactCache(target.num_layers, rows, capacity, device).allocate(*target.kv_shape, target.dtype)
     ids = torch.randint(target.vocab_size, (rows, prefix), generator=torch.Generator().manual_seed(0)).to(device)
     pos = torch.arange(prefix, device=device)
     causal = (pos[:, None] >= pos[None, :])[None].expand(rows, prefix, prefix)

@@ -80,7 +80,7 @@ def header_lines(results: dict) -> list[str]:
     return [
         "# specdraft bench", "",
         f"- target: **{env.get('target')}** ({params(env.get('target_params'))} parameters), "
-        f"{env.get('dtype')} on {env.get('device_name')} ({env.get('device')}, {env.get('threads')} threads)",
+        f"{env.get('dtype')}{' (our methods: target compiled)' if env.get('compiled_target') else ''} on {env.get('device_name')} ({env.get('device')}, {env.get('threads')} threads)",
         f"- torch {env.get('torch')}, transformers {env.get('transformers')}, specdraft {env.get('specdraft')}",
         f"- {s.get('max_new_tokens')} new tokens max, {s.get('repeats')} repeat(s), top-p {s.get('top_p')}, "
         f"top-k {s.get('top_k')}, seed {s.get('seed')}, chat template {'on' if s.get('chat') else 'off'}",

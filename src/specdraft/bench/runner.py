@@ -66,6 +66,7 @@ class BenchConfig:
     command: str = ""
     adaptive: str = "on"  # on | off (fixed shapes) | refresh (re-measure the cost model first)
     interleave: bool = False  # every method loaded at once, their batches in turn (see Bench.run_interleaved)
+    compile_target: bool = False  # our methods run the target's decoder stack compiled (peers: eager)
 
     def resolved_dtype(self) -> str:
         from ..models import resolve_dtype
@@ -77,6 +78,8 @@ class BenchConfig:
         keys = ("target", "device", "limit", "top_p", "top_k", "repeats", "max_new_tokens", "beam_width",
                 "beam_length", "gamma", "seed", "chat", "mt_bench_turns", "adaptive")
         s = {k: getattr(self, k) for k in keys}
+        if self.compile_target:  # only when set: earlier results.json still resume
+            s["compile_target"] = True
         s["dtype"] = self.resolved_dtype()
         return json.loads(json.dumps(s))
 
@@ -120,7 +123,7 @@ def environment(target, cfg: BenchConfig) -> dict:
     return {"specdraft": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "platform": platform.platform(), "device": str(dev),
             "device_name": name, "threads": torch.get_num_threads(),
-            "dtype": str(target.dtype).removeprefix("torch."),
+            "dtype": str(target.dtype).removeprefix("torch."), "compiled_target": bool(getattr(target, "compiled", False)),
             "target": target.name, "target_params": parameter_count(target.model)}
 
 
@@ -147,6 +150,11 @@ class Bench:
             with quiet_loading():
                 target = load_target(cfg.target, cfg.device, cfg.resolved_dtype(), cfg.trust_remote_code)
         target.check_new_tokens(cfg.max_new_tokens)
+        if cfg.compile_target and not target.compiled:
+            from ..build import compile_target
+
+            compile_target(target)  # minutes, untimed; peers keep the eager model (target.model)
+            target.warmed()
         self.target = target
         self.datasets: dict[str, tuple] = {}  # spec -> (prompts, first-turn ids)
         self.turn2: dict[tuple, list[int]] = {}  # (method, dataset, prompt index) -> turn-2 prompt ids

@@ -66,7 +66,8 @@ def verify_cost_markdown(result: dict) -> str:
 
     env = result["environment"]
     lines = ["# Verify cost: one target forward vs tree tokens", "",
-             f"- target: **{env['target']}** ({params(env['target_params'])} parameters), {env['dtype']} on "
+             f"- target: **{env['target']}** ({params(env['target_params'])} parameters), {env['dtype']}"
+             f"{' (compiled)' if env.get('compiled_target') else ''} on "
              f"{env['device_name']} ({env['device']}, {env['threads']} threads)",
              f"- {result['prefix']} tokens already cached; each figure: median [min–max] of "
              f"{result['rows'][0]['trials']} trials, forward + logits", f"- command: `{result.get('command', '')}`", "",
@@ -110,6 +111,10 @@ def run_verify_cost(cfg, tokens: list[int], prefix: int, trials: int, random_spe
         with quiet_loading():
             target = (random_target(random_spec, cfg.device, cfg.resolved_dtype()) if random_spec else
                       load_target(cfg.target, cfg.device, cfg.resolved_dtype(), cfg.trust_remote_code))
+    if getattr(cfg, "compile_target", False) and not target.compiled:
+        from ..build import compile_target
+
+        compile_target(target)  # untimed; each N's own warm-up forwards cover what is left
     rows = measure_verify_cost(target, tokens, prefix, trials, progress=cfg.progress)
     result = {"environment": environment(target, cfg), "command": cfg.command, "prefix": prefix, "rows": rows}
     write_json_atomic(out / "verify_cost.json", result)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from ..errors import SpecdraftError
-from .options import resolve_dtype_arg
+from .options import add_compile_target_arg, resolve_dtype_arg
 
 # ---- option parsing helpers ---------------------------------------------------------------
 
@@ -51,6 +51,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto: bfloat16 where the device computes it natively, else float32; every method, "
                         "transformers' peers included, runs at this dtype (default: %(default)s)")
     g.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code to run")
+    add_compile_target_arg(g)
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -91,7 +92,7 @@ def base_config(args: argparse.Namespace, **extra):
         trust_remote_code=args.trust_remote_code, limit=args.limit, top_p=args.top_p, top_k=args.top_k,
         repeats=args.repeats, max_new_tokens=args.max_new_tokens, seed=args.seed, chat=args.chat,
         resume=args.resume, warmup=args.warmup, progress=args.progress, command=args.command_line,
-        interleave=args.interleave, **extra)
+        interleave=args.interleave, compile_target=args.compile_target, **extra)
 
 
 def check_device(args: argparse.Namespace) -> None:

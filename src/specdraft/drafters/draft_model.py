@@ -169,29 +169,15 @@ class DraftModelDrafter(Drafter):
         self.pending = None
 
     def compile(self, backend: str = "inductor") -> bool:
-        """Compile the draft's decoder stack (inductor, dynamic shapes). A small draft's
-        forward is bound by per-op overhead, not by its weights: on the AVX2 EPYC (float32)
-        the shipped draft's call at gamma = 1 fell from 11.0 to 8.2 ms (docs/draft_model.md)."""
-        if self.compiled:
-            return True
-        fastpath.stock_linear(self.draft.base)
-        # Batch 1 or more rows, one or more tokens fed, a fresh feed: each its own graph
-        # (torch specialises sizes 0 and 1); the default limit of 8 leaves no margin.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-        self.draft.base = torch.compile(self.draft.base, dynamic=True, backend=backend)
-        self.compiled, self.stance = True, "default"
+        """Compile the draft's decoder stack (``Target.compile``). A small draft's forward is
+        bound by per-op overhead, not by its weights: on the AVX2 EPYC (float32) the shipped
+        draft's call at gamma = 1 fell from 11.0 to 8.2 ms (docs/draft_model.md)."""
+        self.draft.compile(backend)
+        self.compiled = True
         return True
 
     def warmed(self) -> None:
-        # From now on a shape not compiled yet runs eager: a compile would stall the step.
-        self.stance = "eager_on_recompile"
-
-    def _forward(self, tokens, positions, mask, cache) -> torch.Tensor:
-        """``Target.forward`` of the draft, (B, N, d); compiled, under ``self.stance``."""
-        if not self.compiled:
-            return self.draft.forward(tokens, positions, mask, cache)
-        with torch.compiler.set_stance(self.stance):
-            return self.draft.forward(tokens, positions, mask, cache)
+        self.draft.warmed()
 
     # ---- internals ----------------------------------------------------------------------
 
@@ -218,7 +204,7 @@ class DraftModelDrafter(Drafter):
         causal = steps[:, None] >= steps[None, :]
         # Padding queries see only themselves, so no attention row is empty.
         mask = (causal[None] & real[:, None, :]) | (torch.eye(N, dtype=torch.bool, device=device) & ~real[:, :, None])
-        hidden = self._forward(new, keep[:, None] + steps, cache.attention_mask(mask), cache)
+        hidden = self.draft.forward(new, keep[:, None] + steps, cache.attention_mask(mask), cache)
         cache.commit(steps.expand(B, N), n_new)
         self._record(keep, new)
         return self._logits(hidden[torch.arange(B, device=device), n_new - 1])
@@ -254,7 +240,7 @@ class DraftModelDrafter(Drafter):
             mask = torch.cat([past, ancestry], dim=2)[:, None]
             positions = (base + level - 1)[:, None].expand(B, W)
             # contiguous: a compiled draft (``compile``) specialises on strides
-            hidden = self._forward(paths[:, :, -1].contiguous(), positions.contiguous(), mask, cache)
+            hidden = self.draft.forward(paths[:, :, -1].contiguous(), positions.contiguous(), mask, cache)
             level_logits = self._logits(hidden)
             tokens, parent, score, q_j = self._choose(level_logits, score, ctx, sampling)
             slots = torch.cat([slots, own.expand(B, W)[:, :, None]], dim=2)
