@@ -14,7 +14,7 @@ import os
 import shutil
 import sys
 import tempfile
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -259,11 +259,18 @@ class Target:
         attn = self._masks(mask, positions, cache) if self.sliding_window else mask
         if self.mask_by_layer_type and not isinstance(attn, dict):
             attn = {"full_attention": attn}
-        with fastpath.active(), ExitStack() as compiled:
-            if self.compiled:  # one grad mode and layout for every caller: a change of either is a guard, every graph again
-                compiled.enter_context(torch.compiler.set_stance(self.stance))
-                compiled.enter_context(torch.no_grad())
-                tokens, positions = tokens.contiguous(), positions.contiguous()  # an expand()ed input has stride 0
+        if self.compiled:
+            return self._compiled_forward(tokens, positions, attn, cache)
+        with fastpath.active():
+            out = self.base(input_ids=tokens, attention_mask=attn, position_ids=positions,
+                            past_key_values=cache, use_cache=True)
+        return out.last_hidden_state
+
+    def _compiled_forward(self, tokens, positions, attn, cache) -> torch.Tensor:
+        """``forward`` through the compiled stack, under ``self.stance``. One grad mode and one
+        layout for every caller: a change of either is a guard failure, every graph again."""
+        tokens, positions = tokens.contiguous(), positions.contiguous()  # an expand()ed input has stride 0
+        with fastpath.active(), torch.compiler.set_stance(self.stance), torch.no_grad():
             out = self.base(input_ids=tokens, attention_mask=attn, position_ids=positions,
                             past_key_values=cache, use_cache=True)
         return out.last_hidden_state
