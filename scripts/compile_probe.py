@@ -1,12 +1,13 @@
-"""Does ``torch.compile`` make the target's decode forward faster here, and is it exact?
+"""Does ``--compile-target`` make the target's forward faster here, and how far from eager?
 
-Times the engine's one-token forward (and a few tree sizes) of the target through
-``Target.forward`` + ``Target.logits`` after a cached prefix (``specdraft.timing``, the
-code of ``bench --verify-cost``), eager and with the decoder stack compiled, and checks
-that the compiled logits are bitwise the eager ones. Issue 14 asks to keep compile only
-if it is faster and exact; this measures both.
+Loads the target twice: one copy eager (the engine's layouts, ``specdraft.fastpath``), one
+compiled exactly as the engine compiles it (``Target.compile``: inductor, dynamic shapes,
+frozen weights on CPU). Times the engine's forward (+ logits) of a few chain-token counts
+after a cached prefix (``specdraft.timing``, the code of ``bench --verify-cost``), the two
+copies in alternating rounds so that a drifting VM affects both alike, and compares the
+compiled logits with the eager ones (bitwise equal or not, largest difference).
 
-    .venv/bin/python scripts/compile_probe.py --dtype bfloat16 --tokens 1,4,8
+    .venv/bin/python scripts/compile_probe.py --dtype bfloat16 --tokens 1,2,4,8
 """
 
 from __future__ import annotations
@@ -36,25 +37,30 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--tokens", default="1,4,8")
     p.add_argument("--prefix", type=int, default=256)
-    p.add_argument("--trials", type=int, default=15)
-    p.add_argument("--mode", default="default", help="torch.compile mode")
+    p.add_argument("--rounds", type=int, default=6, help="alternating rounds (3 timed forwards each)")
     args = p.parse_args()
     sizes = [int(t) for t in args.tokens.split(",")]
-    target = load_target("default", dtype=args.dtype)
-    cache = prefill(target, args.prefix, args.prefix + max(sizes) + 8)
-    eager = {n: statistics.median(time_forward(target, cache, n, args.prefix, args.trials, 3)) for n in sizes}
-    reference = {n: logits_of(target, cache, n, args.prefix) for n in sizes}
-    target.base = torch.compile(target.base, mode=args.mode, dynamic=True)
+    eager, compiled = load_target("default", dtype=args.dtype), load_target("default", dtype=args.dtype)
+    caches = {name: prefill(t, args.prefix, args.prefix + max(sizes) + 8) for name, t in
+              (("eager", eager), ("compiled", compiled))}
+    reference = {n: logits_of(eager, caches["eager"], n, args.prefix) for n in sizes}
+    compiled.compile()
     started = time.perf_counter()
-    compiled_first = {n: logits_of(target, cache, n, args.prefix) for n in sizes}  # compiles
+    first = {n: logits_of(compiled, caches["compiled"], n, args.prefix) for n in sizes}  # compiles
     compile_seconds = time.perf_counter() - started
-    compiled = {n: statistics.median(time_forward(target, cache, n, args.prefix, args.trials, 3)) for n in sizes}
-    rows = [{"tokens": n, "eager_ms": 1000 * eager[n], "compiled_ms": 1000 * compiled[n],
-             "speedup": eager[n] / compiled[n],
-             "bitwise_equal": bool(torch.equal(reference[n], compiled_first[n])),
-             "max_abs_diff": float((reference[n] - compiled_first[n]).abs().max())} for n in sizes]
-    print(json.dumps({"dtype": args.dtype, "threads": torch.get_num_threads(), "mode": args.mode,
-                      "compile_seconds": compile_seconds, "rows": rows}, indent=1))
+    times: dict[str, dict[int, list[float]]] = {"eager": {n: [] for n in sizes}, "compiled": {n: [] for n in sizes}}
+    for _ in range(args.rounds):
+        for name, target in (("eager", eager), ("compiled", compiled)):
+            for n in sizes:
+                times[name][n] += time_forward(target, caches[name], n, args.prefix, 3, 1)
+    rows = []
+    for n in sizes:
+        e, c = statistics.median(times["eager"][n]), statistics.median(times["compiled"][n])
+        rows.append({"tokens": n, "eager_ms": round(1000 * e, 2), "compiled_ms": round(1000 * c, 2),
+                     "speedup": round(e / c, 3), "bitwise_equal": bool(torch.equal(reference[n], first[n])),
+                     "max_abs_diff": float((reference[n] - first[n]).abs().max())})
+    print(json.dumps({"dtype": args.dtype, "threads": torch.get_num_threads(), "compile_seconds": round(compile_seconds, 1),
+                      "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ guarantees, and warming up leaves nothing to compile while serving."""
 
 from __future__ import annotations
 
+import torch
 from conftest import make_tiny_llama
 
 from specdraft.build import compile_target, warm_up
@@ -34,3 +35,48 @@ def test_compiled_target_decodes_as_eager_and_warm_up_covers_its_shapes(tmp_path
         plain = SpeculativeEngine(eager, NoDrafter()).generate(rows, params)
         assert [r.token_ids for r in ours] == [r.token_ids for r in plain]
         assert max(max(r.accepted_hist) for r in ours) > 1  # trees of several tokens were verified
+
+
+def test_inductor_freezes_the_target_on_cpu_and_decodes_as_eager(tmp_path, monkeypatch):
+    """With inductor on CPU the stack is compiled frozen (weights as constants, so each linear
+    weight is reordered once, not per call): greedy decoding through the engine, caches
+    written by the compiled graph step after step, gives eager's tokens (float32, where the
+    tiny model's logits are far from ties)."""
+    path = make_tiny_llama(tmp_path / "t", vocab_size=16, seed=0, initializer_range=0.4, num_hidden_layers=1)
+    eager, compiled = load_target(str(path)), load_target(str(path))
+    seen = []
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *a, **kw: seen.append(kw) or real_compile(*a, **kw))
+    compiled.compile()
+    assert seen == [{"dynamic": True, "backend": "inductor", "options": {"freezing": True}}]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompt = [[1, 2, 3, 4, 5, 6]]
+    ours = SpeculativeEngine(compiled, NoDrafter()).generate(prompt, params)
+    plain = SpeculativeEngine(eager, NoDrafter()).generate(prompt, params)
+    assert ours[0].token_ids == plain[0].token_ids
+
+
+def test_a_feature_layer_head_runs_the_compiled_target_without_recompiles(tmp_path):
+    """A ReDrafter head that reads the target's inner layers (forward hooks on the compiled
+    stack's layers, set for each forward) keeps the warmed graphs: no recompile after
+    ``warm_up``, and eager plain decoding's tokens."""
+    from specdraft.drafters.redrafter import ReDrafter
+    from specdraft.heads import ReDrafterHead
+
+    path = make_tiny_llama(tmp_path / "t", vocab_size=16, seed=0, initializer_range=0.4, num_hidden_layers=2)
+    eager, compiled = load_target(str(path)), load_target(str(path))
+    torch.manual_seed(0)
+    head = ReDrafterHead.for_target(compiled, feature_layers=[0, 1])
+    with torch.no_grad():
+        head.fuse.weight.normal_(0, 0.3)  # the fusion is not the identity: the features matter
+    compile_target(compiled, backend="eager")
+    engine = SpeculativeEngine(compiled, ReDrafter(head.eval().requires_grad_(False), beam_width=2, beam_length=3),
+                               max_tree_tokens=None)
+    warm_up(engine)
+    compiled.stance = "fail_on_recompile"
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9] * 3]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    for rows in (prompts[:1], prompts):
+        ours = engine.generate(rows, params)
+        plain = SpeculativeEngine(eager, NoDrafter()).generate(rows, params)
+        assert [r.token_ids for r in ours] == [r.token_ids for r in plain]

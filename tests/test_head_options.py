@@ -212,10 +212,10 @@ def test_the_engines_feature_states_are_the_targets(tiny_target):
     out = run(tiny_target, Recording(fused_head(tiny_target), beam_width=2, beam_length=3), PROMPTS)
     checked = 0
     for i, (prompt, generated) in enumerate(zip(PROMPTS, out)):
-        with torch.no_grad(), tiny_target.layer_outputs(tuple(LAYERS)) as states:
-            tiny_target.base(input_ids=torch.tensor([prompt + generated]))
+        with torch.no_grad():
+            states = tiny_target.states(tuple(LAYERS), input_ids=torch.tensor([prompt + generated]))[1]
         for n, features in [(n, f) for j, n, f in seen if j == i]:
-            want = torch.stack([states[layer][0, n - 2] for layer in LAYERS])
+            want = states[0, n - 2]
             assert torch.allclose(features, want, atol=1e-5), (prompt, n)
             checked += 1
     assert checked > 20

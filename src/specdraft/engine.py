@@ -332,11 +332,7 @@ class SpeculativeEngine:
     def _forward(self, tokens, positions, mask, cache) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``Target.forward``'s hidden states (B, N, d) and, for a drafter with feature
         layers, the target's states after them (B, N, n, d); else None."""
-        if not self.feature_layers:
-            return self.target.forward(tokens, positions, mask, cache), None
-        with self.target.layer_outputs(self.feature_layers) as seen:
-            hidden = self.target.forward(tokens, positions, mask, cache)
-        return hidden, torch.stack([seen[layer] for layer in self.feature_layers], dim=-2)
+        return self.target.forward_features(tokens, positions, mask, cache, self.feature_layers)
 
     def _prefill(self, rows: list[Row], capacity: int) -> tuple[torch.Tensor, torch.Tensor | None, CompactCache]:
         """Run the prompts; return (B, 2, d) hidden states at each prompt's last two tokens

@@ -140,9 +140,7 @@ def greedy_and_hidden(target, ids: list[list[int]], answer: list[list[bool]], ma
         # No attention mask: the padding is on the right, and under causal attention a real
         # token never sees a later one, so its state is the unpadded one; without a mask
         # the attention takes its fused causal kernel (a padding mask: 2-3x slower on CPU).
-        with target.layer_outputs(feature_layers) as seen:
-            hidden = target.base(input_ids=batch.to(target.device)).last_hidden_state
-        feats = torch.stack([seen[layer] for layer in feature_layers], dim=2) if feature_layers else None
+        hidden, feats = target.states(tuple(feature_layers or ()), input_ids=batch.to(target.device))
         for r, i in enumerate(group):
             a = torch.tensor(answer[i], dtype=torch.bool)
             n = len(ids[i])
