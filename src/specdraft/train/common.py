@@ -433,6 +433,9 @@ def finish_run(accelerator, main: bool, finished: bool, state: TrainState, plan:
                   file=sys.stderr)
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    # Left to interpreter exit, gloo's teardown raced its own threads: now and then a rank
+    # aborted ("terminate called without an active exception") after the run had finished.
+    accelerator.state.destroy_process_group()
     return 0
 
 
