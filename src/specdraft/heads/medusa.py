@@ -108,16 +108,16 @@ class MedusaHeads(nn.Module):
         out = torch.stack([self.head_logits(k, hidden) for k in range(num_heads or len(self.heads))], dim=-2)
         return self.draft_vocab.scatter(out) if self.draft_vocab is not None else out
 
-    def head_logits(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
+    def head_logits(self, k: int, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """Head k alone: hidden (..., d) -> (..., N) float32 over the output vocabulary (the
         draft vocabulary, or all V) (training scores each head only at the rows that have
-        its label)."""
+        its label). ``float32=False``: as ``ReDrafterHead.draft_logits``."""
         head = self.heads[k]
         u = head.features(hidden.to(self.dtype))
         if self.config.head == "own":
-            return head.out(u).float()
+            return head.out(u).float() if float32 else head.out(u)
         if self.draft_vocab is not None:
-            return self.parts.rows_logits(u, self.draft_vocab.ids())
+            return self.parts.rows_logits(u, self.draft_vocab.ids(), float32)
         return self.parts.logits(u)
 
     def teacher_forced_logits(self, hidden: torch.Tensor) -> torch.Tensor:

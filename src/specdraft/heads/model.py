@@ -208,17 +208,19 @@ class ReDrafterHead(nn.Module):
         logits = self.draft_logits(hidden, state)
         return self.draft_vocab.scatter(logits) if self.draft_vocab is not None else logits
 
-    def draft_logits(self, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    def draft_logits(self, hidden: torch.Tensor, state: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """(..., N) float32 logits over the output layer's own vocabulary (the draft
-        vocabulary, or all V tokens): what training scores."""
+        vocabulary, or all V tokens): what training scores. ``float32=False`` leaves them
+        in the product's dtype (bfloat16 under autocast) where the head's output layer is
+        its own or draft-vocabulary rows; training casts them chunk by chunk."""
         hidden = hidden.to(self.dtype).expand(*state.shape[:-1], -1)
         z = torch.cat([hidden, state], dim=-1)
         for block in self.blocks:
             z = block(z)
         if self.config.head == "own":
-            return self.out(z).float()
+            return self.out(z).float() if float32 else self.out(z)
         if self.draft_vocab is not None:
-            return self.parts.rows_logits(self.proj(z), self.draft_vocab.ids())
+            return self.parts.rows_logits(self.proj(z), self.draft_vocab.ids(), float32)
         return self.parts.logits(self.proj(z))
 
     # ---- training ---------------------------------------------------------------------

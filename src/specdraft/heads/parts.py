@@ -25,9 +25,10 @@ class TargetParts:
     logits: (..., d) -> (..., V) float32, the target's LM head exactly as the target
             applies it to its final hidden states (final-logit softcap included).
     vocab_size, hidden_size: of the target (V, d).
-    rows_logits: (hidden (..., d), ids (N,) long) -> (..., N) float32, the same head's
+    rows_logits: (hidden (..., d), ids (N,) long, float32=True) -> (..., N), the same head's
             logits of the tokens ``ids`` only (a draft vocabulary: N rows of the head,
-            not V).
+            not V); float32, or with ``float32=False`` in the product's own dtype (training
+            casts chunk by chunk, ``train.losses.cross_entropy_sum``).
     """
 
     embed: Callable[[torch.Tensor], torch.Tensor]
@@ -47,15 +48,17 @@ class TargetParts:
 
         rows = SimpleNamespace(key=None)  # the gathered head rows, kept while the ids tensor is the same
 
-        def rows_logits(hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        def rows_logits(hidden: torch.Tensor, ids: torch.Tensor, float32: bool = True) -> torch.Tensor:
             key = (ids.data_ptr(), ids.shape[0], ids.device)
             if rows.key != key:
                 head = target.head
                 bias = head.bias[ids] if getattr(head, "bias", None) is not None else None
                 rows.key, rows.weight, rows.bias = key, head.weight[ids], bias
             # Through the target's fast layout when drafting (fastpath.active); ``rows`` keeps its packed copy.
-            out = fastpath.linear(hidden.to(target.dtype), rows.weight, rows.bias, holder=rows).float()
-            return torch.tanh(out / target.softcap) * target.softcap if target.softcap else out
+            out = fastpath.linear(hidden.to(target.dtype), rows.weight, rows.bias, holder=rows)
+            if target.softcap:  # the cap in float32, as the target applies it
+                return torch.tanh(out.float() / target.softcap) * target.softcap
+            return out.float() if float32 else out
 
         return cls(embed=embeddings, logits=logits, vocab_size=int(target.vocab_size),
                    hidden_size=int(target.hidden_size), rows_logits=rows_logits)

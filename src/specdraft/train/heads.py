@@ -39,6 +39,7 @@ from .common import (HeldOut, JsonLog, Plan, TargetStatesTask, TrainState, cosin
                      resume_point, train_loop)
 from .examples import Batch, ExampleSet, collate, load_examples
 from .hidden_cache import HiddenCache
+from .losses import cross_entropy_sum
 from .walk import greedy_walk, labelled_spans
 
 ARCHS = ("redrafter", "medusa")
@@ -77,8 +78,9 @@ class HeadObjective(nn.Module):
         self.K, self.kl_weight, self.topk = K, kl_weight, topk
 
     def depth_logits(self, hidden: torch.Tensor, inputs: torch.Tensor, valid: torch.Tensor,
-                     window: tuple | None = None, features: torch.Tensor | None = None):
-        """Yield (i, logits (n_i, N) float32) for depth i at the rows ``valid[:, i]``, over
+                     window: tuple | None = None, features: torch.Tensor | None = None, float32: bool = True):
+        """Yield (i, logits (n_i, N), float32 unless ``float32=False``: then in the output
+        layer's product dtype) for depth i at the rows ``valid[:, i]``, over
         the head's output vocabulary (its draft vocabulary if it has one, else all V);
         labels must be in that space (``corpus.to_output_space``).
         hidden (N, d); inputs (N, K) long, the tokens fed at depths 0..K-1; window: the
@@ -95,7 +97,7 @@ class HeadObjective(nn.Module):
             hidden = head.contextualize(hidden, *window)
         if isinstance(head, MedusaHeads):
             for i in range(self.K):  # head i only sees h_t; like below, only rows with a label
-                yield i, head.head_logits(i, hidden[valid[:, i]])
+                yield i, head.head_logits(i, hidden[valid[:, i]], float32)
             return
         embedded = head.embed_input(inputs)  # (N, K, d)
         bias = head.recurrence_bias(hidden)  # (N, d) or 0
@@ -103,7 +105,7 @@ class HeadObjective(nn.Module):
         for i in range(self.K):
             state = head.step_embedded(state, embedded[:, i] + bias)
             # The output layer (2d -> N) dominates the cost: only rows with a label.
-            yield i, head.draft_logits(hidden[valid[:, i]], state[valid[:, i]])
+            yield i, head.draft_logits(hidden[valid[:, i]], state[valid[:, i]], float32)
 
     def target_log_probs(self, states: torch.Tensor) -> torch.Tensor:
         """(n, N) float32: the target's next-token log-probabilities from its states (n, d),
@@ -127,24 +129,23 @@ class HeadObjective(nn.Module):
         # Every parameter enters the graph even when this micro-batch holds no label: DDP
         # expects a gradient for each parameter from every process.
         loss = sum(p.sum() for p in self.parameters()) * 0.0
-        for i, logits in self.depth_logits(hidden, inputs, valid, window, features):
+        for i, logits in self.depth_logits(hidden, inputs, valid, window, features, float32=False):
             if logits.shape[0] == 0:
                 continue
             y = labels[valid[:, i], i]
-            logq = F.log_softmax(logits.float(), dim=-1)
-            ce = F.nll_loss(logq, y, reduction="sum")
+            ce, rank = cross_entropy_sum(logits, y)  # float32 math chunk by chunk, no full-size copies
             kl = torch.zeros((), device=hidden.device)
             if self.kl_weight and target_hidden is not None:
                 rows = valid[:, i] if target_present is None else valid[:, i] & target_present[:, i]
-                keep = rows[valid[:, i]]  # the same rows among logq's
+                keep = rows[valid[:, i]]  # the same rows among the logits'
                 with torch.no_grad():
                     logp = self.target_log_probs(target_hidden[rows, i])
-                kl = (logp.exp() * (logp - logq[keep])).sum()
+                logq = F.log_softmax(logits[keep].float(), dim=-1)
+                kl = (logp.exp() * (logp - logq)).sum()
             loss = loss + (ce + self.kl_weight * kl) / denom[i]
-            with torch.no_grad():
-                top = logq.topk(min(self.topk, logq.shape[-1]), dim=-1).indices
-                stats[i] = torch.stack([ce.detach(), kl.detach(), (top[:, 0] == y).sum().float(),
-                                        (top == y[:, None]).any(-1).sum().float(), ce.new_tensor(float(len(y)))])
+            # top-1 / top-k hits from the label's rank (ties with the label count as hits)
+            stats[i] = torch.stack([ce.detach(), kl.detach(), (rank == 0).sum().float(),
+                                    (rank < self.topk).sum().float(), ce.new_tensor(float(len(y)))])
         return loss, stats
 
 
