@@ -395,6 +395,27 @@ def test_fit_trains_medusa_heads_too(tiny_target_path, tiny_target, data, answer
     assert got == ref and drafter.heads.config.draft_vocab == 10
 
 
+def test_fit_compile_target_extracts_through_the_compiled_stack(tiny_target_path, data, answers, tmp_path,
+                                                                 monkeypatch):
+    """--compile-target compiles the target before the training corpus (not the held-out
+    one) and extracts through it. With the eager backend the compiled graph runs eager's
+    kernels, so both runs' corpora are equal, array by array."""
+    from specdraft.models import Target
+
+    real, calls = Target.compile, []
+    monkeypatch.setattr(Target, "compile", lambda self, backend="inductor": calls.append(backend) or real(self, "eager"))
+    argv = ("--heldout-data", str(answers), "--epochs", "1", "--feature-layers", "0,1")
+    assert fit(tiny_target_path, data, tmp_path / "eager", *argv) == 0 and calls == []
+    assert fit(tiny_target_path, data, tmp_path / "compiled", *argv, "--compile-target") == 0 and calls == ["inductor"]
+    chunks = sorted(p.name for p in (tmp_path / "eager" / "corpus").glob("chunk-*"))
+    assert chunks and chunks == sorted(p.name for p in (tmp_path / "compiled" / "corpus").glob("chunk-*"))
+    for chunk in chunks:
+        for name in ("tokens", "greedy", "pos", "hidden", "features"):
+            a, b = (np.load(tmp_path / run / "corpus" / chunk / f"{name}.npy") for run in ("eager", "compiled"))
+            assert np.array_equal(a, b), (chunk, name)
+    assert fit(tiny_target_path, data, tmp_path / "d", "--drafter", "draft", "--compile-target") == 2  # no such stage
+
+
 @pytest.mark.parametrize("variant", ["own", "shared"])
 def test_warm_start_takes_a_full_vocabulary_head_into_a_draft_vocabulary(tiny_target, tmp_path, variant):
     """--init-from: a full-vocabulary head seeds a draft-vocabulary one, whose logits are

@@ -95,6 +95,7 @@ class FitConfig:
     eval_every: int = 200
     save_every_seconds: float = 300.0
     progress: bool = True
+    compile_target: bool = False  # extract the training corpus through Target.compile (faster; labels may flip at ties)
     init_from: str | None = None
     beam_width: int = 1
     beam_length: int = 3
@@ -129,6 +130,9 @@ class FitConfig:
             raise SpecdraftError(f"max-steps must be >= 1, got {self.max_steps}")
         if self.data_offset < 0:
             raise SpecdraftError(f"data-offset must be >= 0, got {self.data_offset}")
+        if self.compile_target and self.drafter == "draft":
+            raise SpecdraftError("--compile-target speeds up a head fit's corpus extraction; a draft model's fit "
+                                 "has no such stage")
         if self.feature_layers and self.drafter != "redrafter":
             raise SpecdraftError(f"--feature-layers is a redrafter option, not {self.drafter}'s")
         if self.hidden_in_recurrence and self.drafter != "redrafter":
@@ -234,6 +238,13 @@ class CorpusTask:
 # ---- stages --------------------------------------------------------------------------------
 
 
+def extraction_left(folder: Path, tokens: int | None) -> bool:
+    """Whether the corpus in ``folder`` holds fewer than ``tokens`` tokens (None: no cap)."""
+    if tokens is None or not folder.is_dir():
+        return True
+    return sum(m["tokens"] for m in Corpus.chunk_metas(folder).values()) < tokens
+
+
 def build_corpora(config: FitConfig, target, budget: Budget) -> tuple[Corpus, Corpus]:
     """Stage 2: extract (or continue extracting) both corpora; returns them opened."""
     from .examples import load_examples
@@ -252,6 +263,10 @@ def build_corpora(config: FitConfig, target, budget: Budget) -> tuple[Corpus, Co
         return Corpus(out / "corpus"), Corpus(out / "heldout-corpus")
     train = load_examples(config.data, target.tokenizer, seq_len=config.seq_len, K=config.K,
                           eos_ids=target.eos_ids).skip(config.data_offset)
+    if config.compile_target and extraction_left(out / "corpus", config.tokens):
+        # After the held-out corpus, which stays eager: every run scores against the same labels.
+        say("compiling the target's decoder stack for the extraction (--compile-target; minutes)")
+        target.compile()
     report = extract(target, train, out / "corpus", corpus_manifest(target, train, config.seq_len, layers),
                      max_tokens=config.tokens, deadline=budget.deadline(config.extract_share),
                      progress=config.progress)
