@@ -188,12 +188,10 @@ class HeadEvaluator:
                 if logits.shape[0] == 0:
                     continue
                 y = labels[valid[:, i], i]
-                logq = F.log_softmax(logits.float(), dim=-1)
-                top = logq.topk(min(self.topk, logq.shape[-1]), dim=-1).indices
-                right[valid[:, i], i] = top[:, 0] == y
-                per_depth[i] += torch.tensor([F.nll_loss(logq, y, reduction="sum").item(), (top[:, 0] == y).sum().item(),
-                                              (top == y[:, None]).any(-1).sum().item(), float(len(y))],
-                                             dtype=torch.float64)
+                ce, rank = cross_entropy_sum(logits, y)  # the training loss's own CE and hit counts
+                right[valid[:, i], i] = rank == 0
+                per_depth[i] += torch.tensor([ce.item(), (rank == 0).sum().item(), (rank < self.topk).sum().item(),
+                                              float(len(y))], dtype=torch.float64)
             runs = torch.zeros(mb.input_ids.shape, dtype=torch.long)  # r_t; 0 where nothing is labelled
             runs[mb.rows, mb.cols] = right.long().cumprod(dim=1).sum(dim=1).cpu()
             for b, example in enumerate(examples):
