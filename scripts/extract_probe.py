@@ -17,6 +17,7 @@ import time
 import numpy as np
 import torch
 
+from specdraft.data.chat import IGNORE
 from specdraft.models import load_target
 from specdraft.train.corpus import greedy_and_hidden
 from specdraft.train.examples import load_examples
@@ -55,7 +56,7 @@ def main() -> None:
         other.compile()
     examples = load_examples(args.answers, eager.tokenizer, seq_len=args.seq_len, K=4, eos_ids=eager.eos_ids)
     ids = [list(examples[i].input_ids) for i in range(len(examples))]
-    answers = [[y != -100 for y in examples[i].labels] for i in range(len(examples))]
+    answers = [[y != IGNORE for y in examples[i].labels] for i in range(len(examples))]
     begin = time.perf_counter()
     extract(other, ids[:8], answers[:8], layers)  # compiles (or warms up) the shapes of the first batch
     print(f"first pass ({args.reference}): {time.perf_counter() - begin:.0f} s", flush=True)

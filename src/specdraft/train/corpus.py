@@ -212,7 +212,7 @@ def extract(target, examples, folder: str | Path, manifest: dict, chunk: int = 1
     open_corpus(folder, {**manifest, "chunk": chunk, "format": FORMAT})
     total = (len(examples) + chunk - 1) // chunk
     done = Corpus.chunk_metas(folder)
-    have = sum(m["tokens"] for m in done.values())
+    have = Corpus.folder_tokens(folder)
     report = ExtractReport(len(done), total, 0, 0, 0, 0.0)
     bar = tqdm(total=total, initial=len(done), unit="chunk", desc="extract", disable=not progress,
                dynamic_ncols=True, file=sys.stderr)
@@ -259,6 +259,11 @@ class Corpus:
         counts = np.array([a["pos"].shape[0] for a in self.arrays], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(counts)])  # flat index of each chunk's first position
         self.tokens = int(sum(metas[k]["tokens"] for k in self.chunks))
+
+    @staticmethod
+    def folder_tokens(folder: Path) -> int:
+        """Tokens in the complete chunks of the corpus folder ``folder``."""
+        return sum(m["tokens"] for m in Corpus.chunk_metas(folder).values())
 
     @staticmethod
     def chunk_metas(folder: Path) -> dict[int, dict]:

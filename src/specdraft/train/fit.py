@@ -242,7 +242,7 @@ def extraction_left(folder: Path, tokens: int | None) -> bool:
     """Whether the corpus in ``folder`` holds fewer than ``tokens`` tokens (None: no cap)."""
     if tokens is None or not folder.is_dir():
         return True
-    return sum(m["tokens"] for m in Corpus.chunk_metas(folder).values()) < tokens
+    return Corpus.folder_tokens(folder) < tokens
 
 
 def build_corpora(config: FitConfig, target, budget: Budget) -> tuple[Corpus, Corpus]:
