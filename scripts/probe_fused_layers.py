@@ -86,8 +86,8 @@ def top1(objective, root, inputs, labels, vocab):
     valid = labels != IGNORE
     hits = []
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        for i, logits in objective.depth_logits(root, inputs, valid):
-            hits.append((logits.argmax(-1) == y[valid[:, i], i]).float().mean().item())
+        for i, logits in objective.depth_logits(root, inputs):
+            hits.append((logits[valid[:, i]].argmax(-1) == y[valid[:, i], i]).float().mean().item())
     return hits
 
 

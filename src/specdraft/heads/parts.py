@@ -28,7 +28,7 @@ class TargetParts:
     rows_logits: (hidden (..., d), ids (N,) long, float32=True) -> (..., N), the same head's
             logits of the tokens ``ids`` only (a draft vocabulary: N rows of the head,
             not V); float32, or with ``float32=False`` in the product's own dtype (training
-            casts chunk by chunk, ``train.losses.cross_entropy_sum``).
+            casts chunk by chunk, ``train.cross_entropy.cross_entropy_sum``).
     """
 
     embed: Callable[[torch.Tensor], torch.Tensor]

@@ -96,6 +96,7 @@ class FitConfig:
     save_every_seconds: float = 300.0
     progress: bool = True
     compile_target: bool = False  # extract the training corpus through Target.compile (faster; labels may flip at ties)
+    compile_loss: bool = True  # a head's cross-entropy through torch.compile (train.cross_entropy; same math)
     init_from: str | None = None
     beam_width: int = 1
     beam_length: int = 3
@@ -319,7 +320,7 @@ def build_objective(config: FitConfig, target, vocab: DraftVocab | None):
     elif config.head == "shared" and config.drafter == "redrafter":
         with torch.no_grad():
             head.proj.weight.zero_()  # uniform start (see train.heads.build_head)
-    return HeadObjective(head.float(), config.K, kl_weight=config.kl_weight)
+    return HeadObjective(head.float(), config.K, kl_weight=config.kl_weight, compiled_loss=config.compile_loss)
 
 
 def warm_start(head: torch.nn.Module, warm: torch.nn.Module) -> None:

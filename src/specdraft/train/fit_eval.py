@@ -50,9 +50,9 @@ class CorpusEvaluator:
             right = torch.zeros_like(valid)
             window = to_device(mb.window, self.device)
             features = None if mb.features is None else mb.features.to(self.device)
-            for i, logits in model.depth_logits(mb.hidden.to(self.device), mb.inputs.to(self.device), valid, window,
+            for i, logits in model.depth_logits(mb.hidden.to(self.device), mb.inputs.to(self.device), window,
                                                 features):
-                right[valid[:, i], i] = logits.argmax(-1) == labels[valid[:, i], i]
+                right[:, i] = (logits.argmax(-1) == labels[:, i]) & valid[:, i]
             hits += right.sum(0).cpu().numpy()
             count += valid.sum(0).cpu().numpy()
             streak = right.long().cumprod(1).sum(1).cpu().numpy()

@@ -1,5 +1,5 @@
 """Training losses: token-level distillation losses for draft models (Direct Alignment, BRIEF
-section 5), and the heads' cross-entropy computed chunk by chunk (``cross_entropy_sum``).
+section 5); the heads' cross-entropy is ``train.cross_entropy``.
 
 Notation, per trained position t (a response token of the target is next):
 p = p_t the target's next-token distribution (frozen, no gradient), q = q_θ the draft's,
@@ -137,55 +137,6 @@ def kd_loss(name: str, logp: torch.Tensor, logq: torch.Tensor, variant: str = "e
     if name == "tvdpp":
         return tvdpp(logp, logq, variant, samples)
     raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}")
-
-
-class _CrossEntropySum(torch.autograd.Function):
-    """Σ_rows CE(softmax(logits), y) over row chunks, float32 inside, logits' dtype outside.
-
-    log_softmax + nll_loss on (n, N) bfloat16 logits materialise four float32 copies of
-    the logits (the cast, log q, nll's zero-filled gradient, the cast back): on a CPU those
-    passes over memory cost more than the output layer's matrix product. Here each chunk of
-    ``CHUNK_ROWS`` rows (2 MB at N = 8192) is cast, reduced and differentiated while it sits
-    in cache; the gradient softmax(x) − onehot(y) comes back in the logits' dtype, which is
-    where the cast's own backward would have put it.
-    """
-
-    CHUNK_ROWS = 64
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor):
-        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        rank = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-        total = torch.zeros((), dtype=torch.float32, device=logits.device)
-        for start in range(0, logits.shape[0], _CrossEntropySum.CHUNK_ROWS):
-            rows = slice(start, start + _CrossEntropySum.CHUNK_ROWS)
-            x = logits[rows].float()
-            picked = x.gather(1, labels[rows, None])  # (c, 1) the label's logit
-            lse[rows] = torch.logsumexp(x, dim=-1)
-            total += (lse[rows] - picked[:, 0]).sum()
-            rank[rows] = (x > picked).sum(dim=-1)  # entries strictly above the label: 0 = top-1
-        ctx.save_for_backward(logits, labels, lse)
-        ctx.mark_non_differentiable(rank)
-        return total, rank
-
-    @staticmethod
-    def backward(ctx, grad_total: torch.Tensor, _grad_rank):
-        logits, labels, lse = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], _CrossEntropySum.CHUNK_ROWS):
-            rows = slice(start, start + _CrossEntropySum.CHUNK_ROWS)
-            g = torch.exp(logits[rows].float() - lse[rows, None])  # softmax, from the saved lse
-            g.scatter_add_(1, labels[rows, None], torch.full_like(lse[rows, None], -1.0))
-            grad[rows] = (g * grad_total).to(grad.dtype)
-        return grad, None
-
-
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (n, N) any float dtype, labels (n,) long in [0, N) -> (Σ CE as a float32
-    scalar with its gradient, (n,) long rank of each label: how many logits exceed the
-    label's, so rank 0 is a top-1 hit and rank < k a top-k hit). The value and gradient are
-    ``F.cross_entropy(logits.float(), labels, reduction="sum")``'s (tested)."""
-    return _CrossEntropySum.apply(logits, labels)
 
 
 def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
