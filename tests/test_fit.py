@@ -293,6 +293,36 @@ def test_kl_term_is_the_targets_distribution_over_the_draft_vocabulary(tiny_targ
     assert (both - ce_only).item() == pytest.approx(0.5 * expect.item(), rel=1e-4)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_objective_counts_only_labelled_rows(tiny_target, compiled):
+    """Every row runs through the head (one matrix shape per batch), but the loss, its
+    gradient and the hit counts are those of the labelled rows alone: equal to the objective
+    on the labelled rows' F.cross_entropy, and an unlabelled row's inputs get no gradient."""
+    from torch.nn import functional as F
+
+    from specdraft.train.heads import HeadObjective
+
+    torch.manual_seed(1)
+    vocab = DraftVocab.from_counts(torch.arange(tiny_target.vocab_size, 0, -1), 10)
+    head = ReDrafterHead.for_target(tiny_target, head="shared", draft_vocab=vocab).float()
+    d, N, K = tiny_target.hidden_size, 12, 3
+    hidden = torch.randn(N, d, requires_grad=True)
+    inputs, labels = torch.randint(0, tiny_target.vocab_size, (N, K)), torch.randint(0, 10, (N, K))
+    labels[2:5, 0] = labels[7, :] = -100
+    denom = (labels != -100).sum(0).float()
+    objective = HeadObjective(head, K, compiled_loss=compiled)
+    loss, stats = objective(hidden, inputs, labels, None, denom)
+    loss.backward()
+    expected, hits = torch.zeros(()), torch.zeros(K)
+    for i, logits in objective.depth_logits(hidden.detach(), inputs):
+        rows = labels[:, i] != -100
+        expected = expected + F.cross_entropy(logits[rows], labels[rows, i], reduction="sum") / denom[i]
+        hits[i] = (logits[rows].argmax(-1) == labels[rows, i]).sum()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert torch.equal(stats[:, 2], hits) and torch.equal(stats[:, 4], denom)
+    assert torch.all(hidden.grad[7] == 0) and torch.all(hidden.grad[0] != 0)  # row 7 has no label at any depth
+
+
 def test_interrupted_fit_continues_to_the_same_weights(tiny_target_path, data, answers, tmp_path):
     common = ["--heldout-data", str(answers), "--epochs", "3", "--save-every", "0"]
     assert fit(tiny_target_path, data, tmp_path / "a", *common) == 0
