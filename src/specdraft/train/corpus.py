@@ -54,6 +54,7 @@ import torch
 from ..data.chat import IGNORE
 from ..errors import SpecdraftError
 from ..vocab import DraftVocab
+from .mmap_rows import open_random, read_rows
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -277,8 +278,11 @@ class Corpus:
 
     def _open(self, k: int) -> dict:
         base = self.folder / chunk_name(k)
-        names = ("tokens", "answer", "greedy", "pos", "hidden") + (("features",) if self.feature_layers else ())
-        return {name: np.load(base / f"{name}.npy", mmap_mode="r", allow_pickle=False) for name in names}
+        names = ("tokens", "answer", "greedy", "pos")
+        arrays = {name: np.load(base / f"{name}.npy", mmap_mode="r", allow_pickle=False) for name in names}
+        for name in ("hidden",) + (("features",) if self.feature_layers else ()):  # the large ones: see mmap_rows
+            arrays[name] = open_random(base / f"{name}.npy")
+        return arrays
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -366,7 +370,7 @@ class Corpus:
             rows = np.nonzero(chunk_of == c)[0]
             local = flat[rows] - self.starts[c]
             order = np.argsort(local)  # sorted reads are kinder to the page cache
-            hidden[rows[order]] = self.arrays[c][name][local[order]]
+            hidden[rows[order]] = read_rows(self.arrays[c][name], local[order])
         return int16_to_bf16(hidden)
 
     def _windows(self, flat: np.ndarray, chunk_of: np.ndarray, t_of: np.ndarray, C: int, Q: int = 16):
