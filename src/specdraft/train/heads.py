@@ -91,7 +91,7 @@ class HeadObjective(nn.Module):
 
         Why every row: selecting the labelled rows first (~94% of them) gave each depth of
         each batch its own row count, and the CPU's matrix kernels (oneDNN) are built per
-        shape: a training step ran 1.3-1.5× slower than at one shape per batch (measured)."""
+        shape: a training step ran 1.3-1.5× slower than at one shape per batch (docs/fit.md)."""
         head = self.head
         if getattr(head, "fuse", None) is not None:
             if features is None:
