@@ -52,9 +52,9 @@ def rows_gradient(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
     return (grad * (labelled * scale)).to(logits.dtype)
 
 
-def _run(name: str, fn, compiled: bool, *args):
-    """fn(*args), through torch.compile when asked and available (once it has failed, eager)."""
-    if compiled and _compiled.get(name, True) is not None:
+def _compiled_run(name: str, fn, *args):
+    """fn(*args) through torch.compile (one graph per input shape); eager once compiling has failed."""
+    if _compiled.get(name, True) is not None:
         if name not in _compiled:
             _compiled[name] = torch.compile(fn, dynamic=False)
         try:
@@ -70,7 +70,7 @@ class _CrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, compiled: bool):
         if compiled:
-            total, lse, rank = _run("forward", rows_forward, True, logits, labels)
+            total, lse, rank = _compiled_run("forward", rows_forward, logits, labels)
         else:
             parts = [rows_forward(logits[i:i + CHUNK_ROWS], labels[i:i + CHUNK_ROWS])
                      for i in range(0, logits.shape[0], CHUNK_ROWS)]
@@ -86,7 +86,7 @@ class _CrossEntropySum(torch.autograd.Function):
     def backward(ctx, grad_total: torch.Tensor, _grad_rank):
         logits, labels, lse = ctx.saved_tensors
         if ctx.compiled:
-            return _run("gradient", rows_gradient, True, logits, labels, lse, grad_total), None, None
+            return _compiled_run("gradient", rows_gradient, logits, labels, lse, grad_total), None, None
         grad = torch.empty_like(logits)
         for i in range(0, logits.shape[0], CHUNK_ROWS):
             rows = slice(i, i + CHUNK_ROWS)
