@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -88,8 +89,12 @@ def test_responses_are_written_progressively_and_resume_without_duplicates(tiny_
     with open(out, "a") as f:
         f.write(first[0][:25])
     assert distill(tiny_target_path, data, out, *common, "--limit", "5") == 0
-    assert "6 already in the file" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "6 already in the file" in err
     records = [json.loads(line) for line in lines(out)]
+    # The rate counts the tokens this run generated (its 4 records), not the earlier run's.
+    new = sum(len(r["response_ids"]) for r in records[6:])
+    assert re.search(rf"\b{new} new tokens in \d+ s \(\d+ new tokens/s\)", err), err
     assert lines(out)[:6] == first and len(records) == 10
     convs = list(iter_conversations(data, "train"))[:5]
     assert [(r["prompt_id"], r["temperature"]) for r in records] == \

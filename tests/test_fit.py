@@ -174,6 +174,10 @@ def test_corpus_holds_what_the_target_computes(tiny_target, data, tmp_path):
     # Rerunning skips the chunks that are there; another setting is refused.
     assert extract(tiny_target, examples, tmp_path / "c", corpus_manifest(tiny_target, examples, 48), chunk=5,
                    progress=False).tokens == 0
+    # The same examples read from another path (a moved run folder, a new run reusing the corpus) match.
+    moved = corpus_manifest(tiny_target, examples, 48)
+    moved["data"] = {**moved["data"], "path": str(tmp_path / "elsewhere.jsonl")}
+    assert extract(tiny_target, examples, tmp_path / "c", moved, chunk=5, progress=False).tokens == 0
     from specdraft.errors import SpecdraftError
     with pytest.raises(SpecdraftError, match="other settings"):
         extract(tiny_target, examples, tmp_path / "c", corpus_manifest(tiny_target, examples, 40), chunk=5,
@@ -467,6 +471,27 @@ def test_warm_start_takes_a_full_vocabulary_head_into_a_draft_vocabulary(tiny_ta
     other = ReDrafterHead.for_target(tiny_target, head="shared" if variant == "own" else "own", draft_vocab=vocab)
     with pytest.raises(SpecdraftError, match="--init-from"):
         warm_start(other, warm)
+
+
+@pytest.mark.parametrize("variant", ["own", "shared"])
+def test_warm_start_grows_a_head_by_identity_blocks(tiny_target, tmp_path, variant):
+    """--init-from with more --num-blocks: the warm blocks are copied, the extra ones start at
+    zero (the identity), so the grown head scores as the warm one; fewer blocks is an error."""
+    from specdraft.errors import SpecdraftError
+    from specdraft.train.fit import warm_start
+
+    torch.manual_seed(3)
+    warm = ReDrafterHead.for_target(tiny_target, head=variant, num_blocks=1)
+    for p in warm.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    grown = ReDrafterHead.for_target(tiny_target, head=variant, num_blocks=3)
+    warm_start(grown, warm)
+    assert torch.equal(grown.blocks[0].linear.weight, warm.blocks[0].linear.weight)
+    assert not grown.blocks[2].linear.weight.any() and not grown.blocks[2].linear.bias.any()
+    h, s = torch.randn(3, 32), torch.randn(3, 32)
+    assert torch.allclose(grown.logits(h, s), warm.logits(h, s), atol=1e-6)
+    with pytest.raises(SpecdraftError, match="at least its --num-blocks"):
+        warm_start(ReDrafterHead.for_target(tiny_target, head=variant, num_blocks=0), warm)
 
 
 # ---- fit --drafter draft ---------------------------------------------------------------------

@@ -29,6 +29,7 @@ last line left by a crash is discarded. Settings that change what a record means
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -71,9 +72,14 @@ class DistillReport:
     already_done: int = 0
     dropped_bytes: int = 0  # an incomplete last line cut from the file before appending
     skipped: dict = field(default_factory=dict)  # reason -> count (e.g. prompts too long)
+    new_tokens: int = 0  # generated tokens of the records written (responses)
+    seconds: float = 0.0  # generation wall time of those records
 
     def summary(self) -> str:
         parts = [f"{self.written} records written", f"{self.already_done} already in the file"]
+        if self.new_tokens and self.seconds > 0:
+            parts.append(f"{self.new_tokens} new tokens in {self.seconds:.0f} s "
+                         f"({self.new_tokens / self.seconds:.0f} new tokens/s)")
         if self.dropped_bytes:
             parts.append(f"an incomplete last line ({self.dropped_bytes} bytes) was discarded")
         parts += [f"{n} skipped ({why})" for why, n in self.skipped.items()]
@@ -171,7 +177,10 @@ def distill_responses(engine, prompts: list[Prompt], temperatures: list[float], 
             group = todo[start: start + batch_size]
             params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=it.temperature, top_p=top_p,
                                      top_k=top_k, seed=it.seed) for it in group]
+            began = time.perf_counter()
             results = engine.generate([it.prompt.ids for it in group], params)
+            report.seconds += time.perf_counter() - began
+            report.new_tokens += sum(len(res.token_ids) for res in results)
             for it, res in zip(group, results):  # in item order: the file stays ordered
                 sink.write({"kind": "response", "prompt_id": it.prompt.id, "prompt": it.prompt.messages,
                             "response": res.text, "response_ids": res.token_ids,

@@ -137,7 +137,7 @@ def add_head_options(p) -> None:
                         "draft vocabulary), to the cross-entropy on its greedy choice (default: %(default)s)")
     g.add_argument("--init-from", metavar="PATH", help="start from this checkpoint's weights ('default': the drafter of "
                    "this kind shipped for the default target); a head's draft vocabulary rows are taken from a "
-                   "full-vocabulary head")
+                   "full-vocabulary head; with more --num-blocks, the extra blocks start as the identity")
 
 
 def config_from(args: argparse.Namespace):

@@ -103,14 +103,21 @@ def corpus_manifest(target, examples, seq_len: int, feature_layers: list[int] | 
     return manifest
 
 
+def settings(manifest: dict) -> dict:
+    """A manifest without where its data was read: the fingerprint names the examples, so a
+    run folder that moved (or a new run reusing a corpus) still matches."""
+    data = {k: v for k, v in manifest.get("data", {}).items() if k != "path"}
+    return {**manifest, "data": data}
+
+
 def open_corpus(folder: Path, manifest: dict) -> None:
     """Create ``folder`` with ``manifest``, or check that an existing one matches."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / MANIFEST
     if path.exists():
-        found = json.loads(path.read_text())
-        if found != json.loads(json.dumps(manifest)):
-            diff = sorted(k for k in set(found) | set(manifest) if found.get(k) != manifest.get(k))
+        found, wanted = settings(json.loads(path.read_text())), settings(json.loads(json.dumps(manifest)))
+        if found != wanted:
+            diff = sorted(k for k in set(found) | set(wanted) if found.get(k) != wanted.get(k))
             raise SpecdraftError(f"corpus {folder} was extracted with other settings (differs in "
                                  f"{', '.join(diff)}); use another folder or delete it")
         return

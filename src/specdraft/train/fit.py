@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -323,11 +324,16 @@ def build_objective(config: FitConfig, target, vocab: DraftVocab | None):
     return HeadObjective(head.float(), config.K, kl_weight=config.kl_weight, compiled_loss=config.compile_loss)
 
 
+EXTRA_BLOCK = re.compile(r"(^|\.)blocks\.\d+\.linear\.")  # a residual block's parameters (heads and Medusa heads)
+
+
 def warm_start(head: torch.nn.Module, warm: torch.nn.Module) -> None:
     """Copy ``warm``'s trained weights into ``head`` (float32). The draft vocabulary is the
     fit's own: a warm head over the whole vocabulary gives its output rows for the draft
     ids, and a "shared" head needs nothing more (its output is the target's LM head). Any
-    other difference of shape (head variant, blocks, width) is a one-line error."""
+    other difference of shape (head variant, width) is a one-line error. A head with more
+    residual blocks than ``warm`` grows: the extra blocks start at zero, and z + SiLU(0·z + 0)
+    = z, so the grown head's logits are the warm head's own (training continues)."""
     ids = head.draft_vocab.ids() if getattr(head, "draft_vocab", None) is not None else None
     mine = head.state_dict()
     loaded = {}
@@ -342,15 +348,16 @@ def warm_start(head: torch.nn.Module, warm: torch.nn.Module) -> None:
         if name not in mine or mine[name].shape != value.shape:
             raise SpecdraftError(f"--init-from: its {name} {tuple(value.shape)} does not fit this head "
                                  f"({tuple(mine[name].shape) if name in mine else 'absent'}); use the same "
-                                 "--head and --num-blocks as the checkpoint")
+                                 "--head as the checkpoint and at least its --num-blocks")
         loaded[name] = value.float()
     # A head with context, feature layers or V·h may start from a paper head: those parts start as the identity.
     fresh = ("draft_vocab.", "context.", "fuse.", "rnn_h.")
-    missing = [k for k in mine if k not in loaded and not k.startswith(fresh)]
+    grown = {k: torch.zeros_like(v) for k, v in mine.items() if k not in loaded and EXTRA_BLOCK.search(k)}
+    missing = [k for k in mine if k not in loaded and k not in grown and not k.startswith(fresh)]
     if missing:
-        raise SpecdraftError(f"--init-from: the checkpoint has no {', '.join(missing)}; use the same --head and "
-                             "--num-blocks as the checkpoint")
-    head.load_state_dict({**mine, **loaded})
+        raise SpecdraftError(f"--init-from: the checkpoint has no {', '.join(missing)}; use the same --head as "
+                             "the checkpoint and at least its --num-blocks")
+    head.load_state_dict({**mine, **grown, **loaded})
 
 
 def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: DraftVocab | None,
