@@ -21,8 +21,9 @@ rollout passes in which every position's chain advances by one token at once; a 
 attention mask lets the chain token of position t see x_0..x_t and its own earlier chain
 tokens only. Cost ≈ (1 + K·P/T) forward passes over the conversation, P = positions.
 
-Both modes are resumable: records are appended (and flushed) batch by batch in a fixed
-order; rerunning the same command skips the keys already in the file, and an incomplete
+Both modes are resumable: records are appended (and flushed) in a fixed order, batch by
+batch (responses: window by window, ``WINDOW_BATCHES`` batches of length-sorted prompts);
+rerunning the same command skips the keys already in the file, and an incomplete
 last line left by a crash is discarded. Settings that change what a record means
 (target, max_new_tokens, top_p, top_k, K, seq_len) must match the file's.
 """
@@ -154,6 +155,21 @@ def existing_keys(path, kind: str, settings: dict) -> set[tuple[str, float]]:
 # ---- responses --------------------------------------------------------------------------
 
 
+# Items are generated in windows of this many batches, each window's items batched by prompt
+# length: a batch's rows share one cache as long as its longest prompt, so mixed lengths make
+# every step attend over padding. Records are written in item order when their window is done.
+# (SmolLM2 bf16, batch 64, 124 ShareGPT prompts, interleaved runs: 251-302 new tokens/s
+# against 208-228 unsorted.)
+WINDOW_BATCHES = 8
+
+
+def length_sorted_batches(items: list[WorkItem], batch_size: int) -> list[list[int]]:
+    """Indices of ``items`` in batches of ``batch_size``, shortest prompts first (a stable
+    sort: the same items always make the same batches)."""
+    order = sorted(range(len(items)), key=lambda i: len(items[i].prompt.ids))
+    return [order[b: b + batch_size] for b in range(0, len(order), batch_size)]
+
+
 def distill_responses(engine, prompts: list[Prompt], temperatures: list[float], out, *, max_new_tokens: int,
                       batch_size: int = 8, seed: int = 0, top_p: float = 1.0, top_k: int = 0,
                       progress: bool = True) -> DistillReport:
@@ -173,22 +189,26 @@ def distill_responses(engine, prompts: list[Prompt], temperatures: list[float], 
     with JsonlAppender(out) as sink, tqdm(total=len(items), initial=report.already_done, unit="sample",
                                           desc="distill", disable=not progress) as bar:
         report.dropped_bytes = sink.dropped_bytes
-        for start in range(0, len(todo), batch_size):
-            group = todo[start: start + batch_size]
-            params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=it.temperature, top_p=top_p,
-                                     top_k=top_k, seed=it.seed) for it in group]
-            began = time.perf_counter()
-            results = engine.generate([it.prompt.ids for it in group], params)
-            report.seconds += time.perf_counter() - began
-            report.new_tokens += sum(len(res.token_ids) for res in results)
+        window = batch_size * WINDOW_BATCHES
+        for start in range(0, len(todo), window):
+            group = todo[start: start + window]
+            results = [None] * len(group)
+            for batch in length_sorted_batches(group, batch_size):
+                params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=group[i].temperature,
+                                         top_p=top_p, top_k=top_k, seed=group[i].seed) for i in batch]
+                began = time.perf_counter()
+                for i, res in zip(batch, engine.generate([group[i].prompt.ids for i in batch], params)):
+                    results[i] = res
+                report.seconds += time.perf_counter() - began
+                bar.update(len(batch))
             for it, res in zip(group, results):  # in item order: the file stays ordered
+                report.new_tokens += len(res.token_ids)
                 sink.write({"kind": "response", "prompt_id": it.prompt.id, "prompt": it.prompt.messages,
                             "response": res.text, "response_ids": res.token_ids,
                             "prompt_tokens": len(it.prompt.ids), "temperature": it.temperature,
                             "seed": it.seed, "top_p": top_p, "top_k": top_k, "max_new_tokens": max_new_tokens,
                             "target": target.name, "finish_reason": res.finish_reason})
                 report.written += 1
-            bar.update(len(group))
     return report
 
 
