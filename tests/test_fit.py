@@ -341,6 +341,53 @@ def test_interrupted_fit_continues_to_the_same_weights(tiny_target_path, data, a
     assert curve("a") == curve("b")  # each evaluation once, with the same numbers
 
 
+def test_example_spans_repeat_or_cut_the_second_part_to_its_share():
+    from specdraft.train.fit_stages import example_spans
+
+    starts, ends = example_spans([(0, 40), (40, 50)], 16, 0.5)  # the docstring's example
+    assert starts.tolist() == [0, 16, 32, 40, 40, 40] and ends.tolist() == [40, 40, 40, 50, 50, 50]
+    starts, ends = example_spans([(0, 100), (100, 200)], 16, 0.2)  # 7 + 2: the second part cut
+    assert starts.tolist() == [0, 16, 32, 48, 64, 80, 96, 100, 116] and set(ends[7:].tolist()) == {200}
+    starts, ends = example_spans([(0, 100), (100, 200)], 16, None)  # each block once, cut at its part's end
+    assert starts.tolist() == [0, 16, 32, 48, 64, 80, 96, 100, 116, 132, 148, 164, 180, 196]
+    assert ends.tolist() == [100] * 7 + [200] * 7
+
+
+def test_fit_trains_on_the_targets_own_answers_at_a_stated_share(tiny_target_path, tiny_target, data, answers,
+                                                                 tmp_path, capsys):
+    """--own-answers: the target answers training prompts (never held-out ones), the answers
+    get their own corpus, joined after the data's, and make --own-share of the examples;
+    stopped and continued, the run ends with the weights of an uninterrupted one."""
+    from specdraft.train.fit import BLOCK, CorpusTask
+    from specdraft.train.fit_stages import example_spans
+
+    own = ["--heldout-data", str(answers), "--own-answers", "3", "--own-temperatures", "0,1", "--own-share", "0.5",
+           "--epochs", "2", "--save-every", "0"]
+    assert fit(tiny_target_path, data, tmp_path / "a", *own) == 0
+    out = tmp_path / "a"
+    records = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    train_ids = [c.id for c in iter_conversations(data, "train")][:3]
+    assert [(r["prompt_id"], r["temperature"]) for r in records] == [(i, t) for i in train_ids for t in (0.0, 1.0)]
+    assert not {c.id for c in iter_conversations(data, "heldout")} & {r["prompt_id"] for r in records}
+    corpus = Corpus(out / "corpus").joined(Corpus(out / "answers-corpus"))
+    assert corpus.parts[1][1] > corpus.parts[1][0] == len(Corpus(out / "corpus"))  # the answers hold positions
+    spans = example_spans(corpus.parts, BLOCK, 0.5)
+    n_own = int((spans[0] >= corpus.parts[1][0]).sum())
+    assert n_own == len(spans[0]) - n_own
+    assert f"{n_own} of {len(spans[0])} examples per epoch from the target's own answers" in capsys.readouterr().err
+    # An example of the second part is a block of the answers corpus's own positions.
+    i = len(spans[0]) - 1
+    got = CorpusTask(corpus, None, 3, "cpu", spans=spans).micro_batch([i])
+    start = spans[0][i] - corpus.parts[1][0]
+    expect = Corpus(out / "answers-corpus").gather(np.arange(start, min(start + BLOCK, corpus.parts[1][1] -
+                                                                        corpus.parts[1][0])), 3)
+    assert torch.equal(got.hidden, expect.hidden) and torch.equal(got.inputs, expect.inputs)
+    assert fit(tiny_target_path, data, tmp_path / "b", *own, "--stop-after-steps", "3") == 0
+    assert fit(tiny_target_path, data, tmp_path / "b", *own) == 0
+    a, b = (load_file(tmp_path / r / "final" / "model.safetensors") for r in "ab")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_budget_stops_extraction_and_a_rerun_continues(tiny_target_path, data, answers, tmp_path, capsys):
     out = tmp_path / "run"
     assert fit(tiny_target_path, data, out, "--heldout-data", str(answers), "--budget", "0.001s") == 0
@@ -531,8 +578,20 @@ def test_fit_trains_a_draft_model_resumably_and_it_stays_exact(tiny_target_path,
     (["--copy-layers", "x"], "copy-layers"),
     (["--init-from", "default", "--copy-layers", "0"], "drop --copy-layers"),
     (["--labels", "agreeing"], "is for heads"),
+    (["--own-answers", "4"], "--own-answers must be >= 0 and is for heads"),
 ])
 def test_bad_draft_fit_options_are_one_line_errors(tiny_target_path, data, tmp_path, capsys, argv, message):
     assert fit(tiny_target_path, data, tmp_path / "x", "--drafter", "draft", *argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--own-share", "0.3"], "--own-share must be in (0, 1), with --own-answers > 0"),
+    (["--own-answers", "2", "--own-share", "1"], "--own-share must be in (0, 1)"),
+    (["--own-answers", "2", "--own-temperatures", "0,x"], "--own-temperatures must be comma-separated numbers"),
+])
+def test_bad_own_answer_options_are_one_line_errors(tiny_target_path, data, tmp_path, capsys, argv, message):
+    assert fit(tiny_target_path, data, tmp_path / "x", *argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and not (tmp_path / "x").exists()

@@ -91,14 +91,14 @@ def record_key(record: dict) -> tuple[str, float]:
     return (str(record["prompt_id"]), float(record.get("temperature", 0.0)))
 
 
-def parse_temperatures(text: str) -> list[float]:
+def parse_temperatures(text: str, flag: str = "--temperatures") -> list[float]:
     """"0,0.6,1.0" -> [0.0, 0.6, 1.0]; each >= 0, no duplicates."""
     try:
         temps = [float(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise SpecdraftError(f"--temperatures must be comma-separated numbers, got {text!r}") from None
+        raise SpecdraftError(f"{flag} must be comma-separated numbers, got {text!r}") from None
     if not temps or any(not t >= 0 for t in temps) or len(set(temps)) != len(temps):
-        raise SpecdraftError(f"--temperatures needs distinct numbers >= 0, got {text!r}")
+        raise SpecdraftError(f"{flag} needs distinct numbers >= 0, got {text!r}")
     return temps
 
 

@@ -73,6 +73,15 @@ def add_fit(subparsers) -> None:
     p.add_argument("--seq-len", type=int, default=1024, metavar="T", help="(default: %(default)s)")
     p.add_argument("--heldout-prompts", type=int, default=64, metavar="N",
                    help="held-out ShareGPT prompts the target answers, for τ (default: %(default)s)")
+    p.add_argument("--own-answers", type=int, default=0, metavar="N",
+                   help="heads: the target also answers the first N training prompts (OUT/answers.jsonl), and "
+                        "the head trains on those answers beside the data: the text it drafts at inference "
+                        "(default: %(default)s)")
+    p.add_argument("--own-temperatures", default="0", metavar="T1,T2,...",
+                   help="one own answer per prompt per temperature; 0 is greedy (default: %(default)s)")
+    p.add_argument("--own-share", type=float, metavar="F",
+                   help="the own answers' share of the training examples per epoch, repeating or cutting "
+                        "them (default: as many as there are)")
     p.add_argument("--heldout-data", metavar="FILE.jsonl",
                    help="score on this distill file of the target's answers instead")
     add_head_options(p)
@@ -141,6 +150,7 @@ def add_head_options(p) -> None:
 
 
 def config_from(args: argparse.Namespace):
+    from ..distill import parse_temperatures
     from ..train.fit import FitConfig
 
     config = FitConfig(out=Path(args.out), drafter=args.drafter, target=args.target, dtype=args.dtype, device=args.device,
@@ -157,7 +167,9 @@ def config_from(args: argparse.Namespace):
                        seed=args.seed, eval_every=args.eval_every, save_every_seconds=args.save_every,
                        progress=not args.no_progress, compile_target=args.compile_target,
                        compile_loss=not args.no_compile_loss, init_from=args.init_from,
-                       heldout_data=args.heldout_data, stop_after_steps=args.stop_after_steps)
+                       heldout_data=args.heldout_data, stop_after_steps=args.stop_after_steps,
+                       own_answers=args.own_answers, own_temperatures=parse_temperatures(args.own_temperatures, "--own-temperatures"),
+                       own_share=args.own_share)
     config.check()
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise SpecdraftError(f"--out {args.out} exists and is not a directory")

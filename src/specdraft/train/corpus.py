@@ -40,6 +40,7 @@ Size: about 2·d bytes per trained position (SmolLM2: 1.15 kB).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -267,6 +268,23 @@ class Corpus:
         counts = np.array([a["pos"].shape[0] for a in self.arrays], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(counts)])  # flat index of each chunk's first position
         self.tokens = int(sum(metas[k]["tokens"] for k in self.chunks))
+        self.parts = [(0, len(self))]  # flat (start, end) of each folder: one, or more when joined
+        self.also: list[dict] = []  # fingerprints of the corpora joined after this one
+
+    def joined(self, other: "Corpus") -> "Corpus":
+        """This corpus followed by ``other`` as one flat list (a mixture: ShareGPT and the
+        target's own answers). Both must hold the same states of the same target."""
+        mine, theirs = (settings(c.manifest) for c in (self, other))
+        if any(mine.get(k) != theirs.get(k) for k in ("target", "dtype", "feature_layers")):
+            raise SpecdraftError(f"corpora {self.folder} and {other.folder} hold states of different targets, "
+                                 "dtypes or feature layers")
+        both = copy.copy(self)
+        both.arrays = self.arrays + other.arrays
+        both.starts = np.concatenate([self.starts, len(self) + other.starts[1:]])
+        both.tokens = self.tokens + other.tokens
+        both.parts = self.parts + [(len(self) + a, len(self) + b) for a, b in other.parts]
+        both.also = self.also + [other.fingerprint()]
+        return both
 
     @staticmethod
     def folder_tokens(folder: Path) -> int:
@@ -295,7 +313,8 @@ class Corpus:
         return int(self.starts[-1])
 
     def fingerprint(self) -> dict:
-        return {"folder": str(self.folder.resolve()), "chunks": self.chunks, "positions": len(self)}
+        mine = {"folder": str(self.folder.resolve()), "chunks": self.chunks, "positions": int(self.parts[0][1])}
+        return {**mine, "also": self.also} if self.also else mine
 
     def gather(self, flat: np.ndarray, K: int, label: str = "greedy", window: int = 0,
                soft: bool = False) -> "PositionBatch":

@@ -47,7 +47,8 @@ from .common import (JsonLog, LoopOptions, Plan, TrainState, cosine_schedule, fi
                      make_accelerator, train_loop)
 from .corpus import Corpus, PositionBatch, corpus_manifest, extract, to_device, to_output_space
 from .fit_eval import CURVE, CorpusEvaluator, summarise, write_curve_plot
-from .fit_stages import Budget, heldout_answers, say, sigterm_as_interrupt
+from .fit_stages import (Budget, example_spans, heldout_answers, own_answers, say, sigterm_as_interrupt,
+                         with_own_answers)
 
 BLOCK = 16  # consecutive corpus positions per example: the unit the data order shuffles
 
@@ -75,7 +76,10 @@ class FitConfig:
     extract_share: float = 0.5
     heldout_prompts: int = 64
     heldout_data: str | None = None  # a distill file of the target's answers, instead of stage 1
-    heldout_max_new_tokens: int = 256
+    heldout_max_new_tokens: int = 256  # also the length of the own answers
+    own_answers: int = 0  # the target answers this many training prompts (stage 1b), trained beside the data
+    own_temperatures: list[float] = field(default_factory=lambda: [0.0])  # one answer per temperature (0: greedy)
+    own_share: float | None = None  # the own answers' share of the examples per epoch (None: as extracted)
     draft_vocab: int = 8192
     head: str = "own"
     labels: str = "target"  # "target": the target's greedy choices (distillation); "agreeing": the same where the
@@ -146,6 +150,16 @@ class FitConfig:
             raise SpecdraftError(f"tokens must be >= 1, got {self.tokens}")
         if self.budget_seconds is not None and not self.budget_seconds > 0:
             raise SpecdraftError(f"the budget must be > 0 seconds, got {self.budget_seconds}")
+        self.check_own_answers()
+
+    def check_own_answers(self) -> None:
+        if self.own_answers < 0 or (self.own_answers and self.drafter == "draft"):
+            raise SpecdraftError(f"--own-answers must be >= 0 and is for heads, got {self.own_answers} "
+                                 f"with --drafter {self.drafter}")
+        if self.own_share is not None and not (0 < self.own_share < 1 and self.own_answers):
+            raise SpecdraftError(f"--own-share must be in (0, 1), with --own-answers > 0, got {self.own_share}")
+        if not self.own_temperatures or any(not t >= 0 for t in self.own_temperatures):
+            raise SpecdraftError(f"--own-temperatures must be numbers >= 0, got {self.own_temperatures}")
 
 
     def check_draft(self) -> None:
@@ -179,20 +193,23 @@ class CorpusTask:
     bar_fields = ("loss", "acc1_0")
 
     def __init__(self, corpus: Corpus, vocab: DraftVocab | None, K: int, device, held_out=None,
-                 labels: str = "target", window: int = 0, soft: bool = False):
+                 labels: str = "target", window: int = 0, soft: bool = False, spans=None):
         """``labels``: "target" trains on the target's greedy choices (the corpus's "greedy"
         labels), "agreeing" on those where the text followed them at every shallower depth,
         "text" on the conversations' own next tokens (no distillation); window:
         the head's context window (0: none); soft: gather the states whose distributions
-        the KL term distils (``HeadObjective``, --kl-weight)."""
+        the KL term distils (``HeadObjective``, --kl-weight); spans: the examples' (starts,
+        ends) flat positions (``fit_stages.example_spans``; default: every block once)."""
         self.corpus, self.vocab, self.K, self.device, self.window = corpus, vocab, K, device, window
+        self.starts, self.ends = spans if spans is not None else example_spans(corpus.parts, BLOCK, None)
         self.soft = soft
         self.held_out = held_out
         self.label = {"target": "greedy", "agreeing": "agreeing", "text": "text"}[labels]
 
     def micro_batch(self, indices: list[int]) -> PositionBatch:
-        flat = (np.asarray(indices, dtype=np.int64)[:, None] * BLOCK + np.arange(BLOCK)).ravel()
-        mb = self.corpus.gather(flat[flat < len(self.corpus)], self.K, label=self.label, window=self.window,
+        at = np.asarray(indices, dtype=np.int64)
+        flat = self.starts[at, None] + np.arange(BLOCK)
+        mb = self.corpus.gather(flat[flat < self.ends[at, None]], self.K, label=self.label, window=self.window,
                                 soft=self.soft)
         mb.oov = ((mb.labels != IGNORE) & (to_output_space(self.vocab, mb.labels) == IGNORE)).sum(0)
         mb.labels = to_output_space(self.vocab, mb.labels)
@@ -255,6 +272,8 @@ def build_corpora(config: FitConfig, target, budget: Budget) -> tuple[Corpus, Co
     held_path = Path(config.heldout_data) if config.heldout_data else out / "heldout.jsonl"
     if not config.heldout_data:
         heldout_answers(config, target, held_path)
+    if config.own_answers:  # before --compile-target: answers come from the eager target
+        own_answers(config, target, out / "answers.jsonl")
     held = load_examples(str(held_path), target.tokenizer, seq_len=config.seq_len, K=config.K, eos_ids=target.eos_ids)
     layers = config.feature_layers
     extract(target, held, out / "heldout-corpus", corpus_manifest(target, held, config.seq_len, layers), chunk=16,
@@ -262,7 +281,7 @@ def build_corpora(config: FitConfig, target, budget: Budget) -> tuple[Corpus, Co
     if latest_checkpoint(out / "train") is not None:
         # Training has begun on the corpus as it stands (its checkpoints record which chunks):
         # extending it now would change the data under the schedule, so a rerun trains on.
-        return Corpus(out / "corpus"), Corpus(out / "heldout-corpus")
+        return with_own_answers(config, target, Corpus(out / "corpus")), Corpus(out / "heldout-corpus")
     train = load_examples(config.data, target.tokenizer, seq_len=config.seq_len, K=config.K,
                           eos_ids=target.eos_ids).skip(config.data_offset)
     if config.compile_target and extraction_left(out / "corpus", config.tokens):
@@ -275,7 +294,8 @@ def build_corpora(config: FitConfig, target, budget: Budget) -> tuple[Corpus, Co
     if report.tokens:
         say(f"extracted {report.tokens} tokens ({report.positions} trained positions) in {report.seconds:.0f} s: "
             f"{report.tokens_per_s:.0f} tokens/s")
-    return Corpus(out / "corpus"), Corpus(out / "heldout-corpus")
+    return with_own_answers(config, target, Corpus(out / "corpus")), Corpus(out / "heldout-corpus")
+
 
 
 def draft_vocabulary(config: FitConfig, corpus: Corpus, held: Corpus, vocab_size: int) -> DraftVocab | None:
@@ -370,8 +390,8 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
     out = Path(config.out) / "train"
     accelerator = make_accelerator(cpu=config.device == "cpu",
                                    mixed_precision="bf16" if config.dtype == "bfloat16" else "no")
-    blocks = math.ceil(len(corpus) / BLOCK)
-    plan = Plan(blocks, max(1, config.batch_positions // BLOCK), 1, accelerator.num_processes, config.epochs,
+    spans = example_spans(corpus.parts, BLOCK, config.own_share)
+    plan = Plan(len(spans[0]), max(1, config.batch_positions // BLOCK), 1, accelerator.num_processes, config.epochs,
                 config.max_steps, config.seed)
     set_seed(config.seed)
     model = build_objective(config, target, vocab)
@@ -397,7 +417,7 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
         first = held_out.first()
         say(f"before training: held-out {summarise(first, config.K)}")
     task = CorpusTask(corpus, vocab, config.K, target.device, held_out, labels=config.labels,
-                      window=config.context, soft=config.kl_weight > 0)
+                      window=config.context, soft=config.kl_weight > 0, spans=spans)
     deadline = budget.deadline()
     opts = LoopOptions(out=out, save_every=10**9, save_every_seconds=config.save_every_seconds, keep_checkpoints=2,
                        # Logged steps divide eval_every, so evaluations fall on its multiples only
@@ -405,8 +425,10 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
                        log_every=math.gcd(20, config.eval_every), deadline=deadline, progress=config.progress,
                        stop_after_steps=config.stop_after_steps,
                        resume_hint=f"run the same specdraft fit command, --out {config.out}, to continue")
+    own = int((spans[0] >= corpus.parts[0][1]).sum())
     say(f"training on {len(corpus)} positions ({corpus.tokens} tokens), {plan.total_steps} steps of "
-        f"{plan.batch_size * BLOCK} positions")
+        f"{plan.batch_size * BLOCK} positions" + (f"; {own} of {len(spans[0])} examples per epoch from the "
+                                                 "target's own answers" if own else ""))
     with sigterm_as_interrupt():
         finished = train_loop(accelerator, task, model, optimizer, scheduler, plan, state, opts)
     head = accelerator.unwrap_model(model).head
@@ -423,7 +445,9 @@ def signature(config: FitConfig) -> dict:
     # Options added later only when not the default, so the checkpoints of runs from before still resume.
     extra = {**({"kl_weight": config.kl_weight} if config.kl_weight else {}),
              **({"hidden_in_recurrence": True} if config.hidden_in_recurrence else {}),
-             **({"labels": config.labels} if config.labels != "target" else {})}
+             **({"labels": config.labels} if config.labels != "target" else {}),
+             **({"own_answers": config.own_answers, "own_temperatures": config.own_temperatures,
+                 "own_share": config.own_share} if config.own_answers else {})}
     return {**{k: getattr(config, k) for k in keep}, **extra}
 
 

@@ -1,6 +1,7 @@
 """What every ``specdraft fit`` pipeline shares (heads in ``train.fit``, the draft model in
-``train.fit_draft``): the wall-clock budget, the held-out answers stage (stage 1), SIGTERM
-as an interrupt, and the one-line progress messages."""
+``train.fit_draft``): the wall-clock budget, the target's answers (held out: stage 1; on
+training prompts: stage 1b), a mixture's example spans, SIGTERM as an interrupt, and the
+one-line progress messages."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+import numpy as np
 
 
 class Budget:
@@ -33,17 +36,70 @@ def say(message: str) -> None:
 def heldout_answers(config, target, path: Path) -> None:
     """Stage 1: the target's greedy answers to the first ``heldout_prompts`` held-out
     ShareGPT prompts (resumable distill file)."""
+    target_answers(config, target, path, "heldout", config.heldout_prompts, [0.0], batch_size=8)
+
+
+def own_answers(config, target, path: Path) -> None:
+    """Stage 1b (``own_answers`` > 0): the target's answers to the first ``own_answers``
+    prompts of the training split, one per temperature of ``own_temperatures`` (greedy: 0)
+    — the text it will draft at inference, beside ShareGPT's (resumable distill file)."""
+    target_answers(config, target, path, "train", config.own_answers, config.own_temperatures, batch_size=32)
+
+
+def target_answers(config, target, path: Path, split: str, limit: int, temperatures: list[float],
+                   batch_size: int) -> None:
+    """The target's answers (``heldout_max_new_tokens`` at most) to the first ``limit``
+    first-turn prompts of a ShareGPT ``split``, appended to ``path`` (``specdraft distill``'s
+    format; resumes where it stopped)."""
     from ..data.sharegpt import first_turn, load_conversations
     from ..distill import DistillReport, distill_responses, make_prompts
     from ..drafters.lookup import LookupDrafter
     from ..engine import SpeculativeEngine
 
-    convs, _ = load_conversations(None if config.data == "sharegpt" else config.data, "heldout",
-                                  config.heldout_prompts)
+    convs, _ = load_conversations(None if config.data == "sharegpt" else config.data, split, limit)
     prompts = make_prompts(target.tokenizer, [(c.id, first_turn(c)) for c in convs], 1024, DistillReport())
     engine = SpeculativeEngine(target, LookupDrafter())  # exact: the same answers as plain decoding
-    distill_responses(engine, prompts, [0.0], path, max_new_tokens=config.heldout_max_new_tokens,
-                      batch_size=8, progress=config.progress)
+    report = distill_responses(engine, prompts, temperatures, path, max_new_tokens=config.heldout_max_new_tokens,
+                               batch_size=batch_size, progress=config.progress)
+    if report.written:
+        say(f"{path.name}: {report.summary()}")
+
+
+def with_own_answers(config, target, corpus):
+    """With ``own_answers``: the target's answers to training prompts (OUT/answers.jsonl,
+    stage 1b) extracted into OUT/answers-corpus and joined after ``corpus`` (a ``Corpus``);
+    else ``corpus`` as it is."""
+    from .corpus import Corpus, corpus_manifest, extract
+    from .examples import load_examples
+
+    if not config.own_answers:
+        return corpus
+    out = Path(config.out)
+    answers = load_examples(str(out / "answers.jsonl"), target.tokenizer, seq_len=config.seq_len, K=config.K,
+                            eos_ids=target.eos_ids)
+    extract(target, answers, out / "answers-corpus",
+            corpus_manifest(target, answers, config.seq_len, config.feature_layers), progress=config.progress)
+    joined = corpus.joined(Corpus(out / "answers-corpus"))
+    say(f"training data: {corpus.tokens} tokens of {config.data}, {joined.tokens - corpus.tokens} of the target's "
+        f"own answers ({len(answers)} answers)")
+    return joined
+
+def example_spans(parts: list[tuple[int, int]], block: int, share: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """The training examples over a corpus made of ``parts`` [(start, end), ...] of its flat
+    positions: (starts, ends) int64 arrays, one example per block of ``block`` consecutive
+    positions, cut at its part's end. ``share`` (with two parts): the second part's blocks
+    are repeated (whole copies, then its first blocks) or cut so that it makes that share of
+    the examples per epoch; None: each block once.
+
+    Example: parts [(0, 40), (40, 50)], block 16, share 0.5 -> starts [0, 16, 32, 40, 40, 40]
+    (the 10-position second part once as one block, repeated to 3 of 6 examples)."""
+    spans = [np.arange(start, end, block, dtype=np.int64) for start, end in parts]
+    ends = [np.full(len(s), end, dtype=np.int64) for s, (_, end) in zip(spans, parts)]
+    if share is not None and len(parts) == 2 and len(spans[1]):
+        want = round(share / (1 - share) * len(spans[0]))  # 0 < share < 1 (FitConfig.check)
+        take = np.resize(np.arange(len(spans[1])), max(want, 1))  # repeats, then cuts, in block order
+        spans[1], ends[1] = spans[1][take], ends[1][take]
+    return np.concatenate(spans), np.concatenate(ends)
 
 
 @contextmanager
