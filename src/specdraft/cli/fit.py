@@ -73,15 +73,7 @@ def add_fit(subparsers) -> None:
     p.add_argument("--seq-len", type=int, default=1024, metavar="T", help="(default: %(default)s)")
     p.add_argument("--heldout-prompts", type=int, default=64, metavar="N",
                    help="held-out ShareGPT prompts the target answers, for τ (default: %(default)s)")
-    p.add_argument("--own-answers", type=int, default=0, metavar="N",
-                   help="heads: the target also answers the first N training prompts (OUT/answers.jsonl), and "
-                        "the head trains on those answers beside the data: the text it drafts at inference "
-                        "(default: %(default)s)")
-    p.add_argument("--own-temperatures", default="0", metavar="T1,T2,...",
-                   help="one own answer per prompt per temperature; 0 is greedy (default: %(default)s)")
-    p.add_argument("--own-share", type=float, metavar="F",
-                   help="the own answers' share of the training examples per epoch, repeating or cutting "
-                        "them (default: as many as there are)")
+    add_own_answer_options(p)
     p.add_argument("--heldout-data", metavar="FILE.jsonl",
                    help="score on this distill file of the target's answers instead")
     add_head_options(p)
@@ -147,6 +139,18 @@ def add_head_options(p) -> None:
     g.add_argument("--init-from", metavar="PATH", help="start from this checkpoint's weights ('default': the drafter of "
                    "this kind shipped for the default target); a head's draft vocabulary rows are taken from a "
                    "full-vocabulary head; with more --num-blocks, the extra blocks start as the identity")
+
+
+def add_own_answer_options(p) -> None:
+    p.add_argument("--own-answers", type=int, default=0, metavar="N",
+                   help="heads: the target also answers the first N training prompts (OUT/answers.jsonl), and "
+                        "the head trains on those answers beside the data: the text it drafts at inference "
+                        "(default: %(default)s)")
+    p.add_argument("--own-temperatures", default="0", metavar="T1,T2,...",
+                   help="one own answer per prompt per temperature; 0 is greedy (default: %(default)s)")
+    p.add_argument("--own-share", type=float, metavar="F",
+                   help="the own answers' share of the training examples per epoch, repeating or cutting "
+                        "them (default: as many as there are)")
 
 
 def config_from(args: argparse.Namespace):

@@ -4,6 +4,9 @@ Stages, each resumable and each skipped when its output is already complete:
 
     1. heldout   the target's own greedy answers to held-out ShareGPT prompts
                  (OUT/heldout.jsonl, ``distill.distill_responses``): what τ is measured on
+    1b. own      with ``own_answers``: the target's answers to training prompts
+                 (OUT/answers.jsonl; extracted into OUT/answers-corpus and joined after the
+                 training corpus, at ``own_share`` of the examples: ``fit_stages``)
     2. extract   the training corpus (OUT/corpus, ``train.corpus``): one target pass per
                  training conversation (all turns, assistant positions), in the target's
                  dtype, hidden states and the target's greedy labels memory-mapped on disk;
