@@ -84,6 +84,7 @@ def with_own_answers(config, target, corpus):
         f"own answers ({len(answers)} answers)")
     return joined
 
+
 def example_spans(parts: list[tuple[int, int]], block: int, share: float | None) -> tuple[np.ndarray, np.ndarray]:
     """The training examples over a corpus made of ``parts`` [(start, end), ...] of its flat
     positions: (starts, ends) int64 arrays, one example per block of ``block`` consecutive
