@@ -16,7 +16,7 @@ from collections import Counter
 import torch
 
 from specdraft.acceptance import accept_chain_sampling, accept_greedy, accept_tree_sampling
-from specdraft.sampling import make_generator
+from specdraft.sampling import make_generator, sample
 from specdraft.tree import pack_beams
 from stats import chi2_sf, g_test, g_test_strata, naive_tree_sampling
 
@@ -358,3 +358,28 @@ def test_statistic_detects_point_mass_treated_as_sampled():
     res = g_test(Counter(complete(o, fill) for o in outputs(tree, acc)), exact_joint())
     print("point mass treated as sampled:", res)
     assert res.p_value < ALPHA, str(res)
+
+
+def test_sample_draws_each_row_from_its_weights():
+    """``sample``: unnormalised weights with zeros; 20000 rows, each its own generator. The
+    law matches (G-test), a zero-weight token is never drawn (not even the first or last
+    one), and the same seeds give the same draws."""
+    weights = torch.tensor([0.0, 3.0, 0.0, 0.5, 1.5, 0.0, 5.0, 0.0])
+    rows = 20000
+    draws = sample(weights.expand(rows, -1), [make_generator(s, "cpu") for s in range(rows)])
+    assert draws.shape == (rows,) and draws.dtype == torch.long
+    exact = {i: float(w / weights.sum()) for i, w in enumerate(weights)}
+    result = g_test(Counter(draws.tolist()), exact)
+    assert result.impossible == 0 and result.p_value > 1e-3, str(result)
+    again = sample(weights.expand(rows, -1), [make_generator(s, "cpu") for s in range(rows)])
+    assert torch.equal(draws, again)
+
+
+def test_sample_catches_a_biased_law():
+    """The same statistic on draws from other weights fails: the test above has power."""
+    rows = 20000
+    draws = sample(torch.tensor([0.0, 3.2, 0.0, 0.5, 1.3, 0.0, 5.0, 0.0]).expand(rows, -1),
+                   [make_generator(s, "cpu") for s in range(rows)])
+    weights = torch.tensor([0.0, 3.0, 0.0, 0.5, 1.5, 0.0, 5.0, 0.0])
+    exact = {i: float(w / weights.sum()) for i, w in enumerate(weights)}
+    assert g_test(Counter(draws.tolist()), exact).p_value < 1e-3

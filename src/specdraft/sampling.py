@@ -79,8 +79,24 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
 
 
 def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row from probs (B, V), each row with its own generator."""
-    return torch.cat([torch.multinomial(p[None], 1, generator=g)[0] for p, g in zip(probs, generators)])
+    """One token per row from probs (B, V) (non-negative weights, each row's sum > 0), each
+    row with its own generator. Returns (B,) long.
+
+    Inverse CDF: row b takes the first token whose running mass reaches (1 - u_b) * total_b,
+    u_b uniform in [0, 1) (float64) from the row's generator. The threshold is > 0, so a zero-weight
+    token is never the first to reach it. The running mass is float64, so its rounding
+    (~1e-16 of the total) is far below float32's in the weights themselves. One draw per
+    row instead of torch.multinomial's one exponential draw per vocabulary entry: on this
+    CPU 32 rows of 49152 took 780 ms that way, 18 ms this way.
+    """
+    if probs.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.long, device=probs.device)
+    u = torch.stack([torch.rand((), dtype=torch.float64, generator=g, device=probs.device)
+                     for g in generators])  # float64: 2**-53 steps, not float32's 2**-24
+    mass = probs.to(torch.float64).cumsum(dim=-1)
+    threshold = (1 - u) * mass[:, -1]
+    token = torch.searchsorted(mass, threshold[:, None]).squeeze(1)
+    return token.clamp_max(probs.shape[-1] - 1)  # only reachable if the total were NaN
 
 
 def uniform(shape_per_row: tuple[int, ...], generators: list[torch.Generator | None],
