@@ -77,3 +77,27 @@ def test_auto_is_lookup_with_the_shipped_head_on_the_default_target_only(tiny_ta
     assert resolve_auto(tiny_target) == "lookup"
     named_default = type("T", (), {"name": DEFAULT_TARGET})()
     assert resolve_auto(named_default) == "lookup+redrafter:default"
+
+
+def test_a_sampling_redrafter_part_proposes_alone_when_every_row_samples(tiny_target):
+    """A ReDrafter head at W = 1 samples its chain (q). In a combination it does so alone
+    when every row samples; with a greedy row in the batch the parts' deterministic beams
+    are united (no q), the head's beam being its beam search's."""
+    from specdraft.drafters.redrafter import ReDrafter
+
+    torch.manual_seed(0)
+    head = ReDrafterHead.for_target(tiny_target, head="own").eval().requires_grad_(False)
+    d = tiny_target.model.config.hidden_size
+    ctx = context([[1, 2, 3], [4, 5, 4, 5]])
+    ctx.greedy[:] = False
+    ctx.params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1.0, seed=2)]
+    ctx.hidden = torch.randn(2, d)
+    drafter = CombinedDrafter([LookupDrafter(), ReDrafter(head, beam_width=1, beam_length=3)])
+    alone = drafter.propose(ctx)
+    assert alone.q is not None and alone.beams.shape[1] == 1
+    ctx.greedy[1] = True
+    ctx.params[1] = SamplingParams()
+    union = drafter.propose(ctx)
+    beams = ReDrafter(head, beam_width=1, beam_length=3).propose_deterministic(ctx)
+    assert union.q is None and union.beams.shape[1] > 1
+    assert torch.equal(union.beams[:, -1:, :3], beams.beams)  # the head's part: its beam search

@@ -8,6 +8,8 @@ from __future__ import annotations
 import itertools
 import json
 
+from dataclasses import replace
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -186,6 +188,31 @@ def test_sampling_runs_and_is_reproducible(tiny_target):
     assert all(0 <= t < tiny_target.vocab_size for ids in first for t in ids)
     wide = ReDrafter(make_head(tiny_target), beam_width=tiny_target.vocab_size + 5, beam_length=2)
     assert len(generate_ids(tiny_target, wide, PROMPTS, **kw)) == 3  # invalid slots under sampling
+
+
+def test_sampled_chain_draws_from_q_and_keeps_greedy_rows_on_the_argmax(tiny_target):
+    """W = 1 with sampling rows: the proposal carries q (a distribution per depth); a greedy
+    row of the same batch drafts exactly the beam search's tokens; the same seeds draw the
+    same chain in a new batch (the generators start again with each batch)."""
+    from specdraft.drafters.base import DraftContext
+
+    drafter = ReDrafter(make_head(tiny_target), beam_width=1, beam_length=4)
+    B, d = 3, tiny_target.model.config.hidden_size
+    torch.manual_seed(1)
+    params = [SamplingParams(temperature=1.0, seed=3), SamplingParams(), SamplingParams(temperature=0.7, seed=4)]
+    ctx = DraftContext(tokens=[torch.tensor([1, 2, 3])] * B, g0=torch.tensor([3, 3, 3]), hidden=torch.randn(B, d),
+                       budget=torch.full((B,), 4), greedy=torch.tensor([False, True, False]),
+                       request_ids=[0, 1, 2], params=params)
+    drafter.start(ctx)
+    first = drafter.propose(ctx)
+    assert first.beams.shape == (B, 1, 4) and first.q.shape == (B, 3, tiny_target.vocab_size)
+    assert torch.allclose(first.q.sum(-1), torch.ones(B, 3))
+    drafted = first.beams[:, 0, 1:]
+    assert (first.q.gather(2, drafted[..., None]) > 0).all()  # every drawn token has q > 0
+    beams = ReDrafter(drafter.head, beam_width=1, beam_length=4).propose(replace(ctx, greedy=torch.ones(B, dtype=torch.bool)))
+    assert torch.equal(first.beams[1], beams.beams[1])  # the greedy row: the argmax chain
+    drafter.start(ctx)
+    assert torch.equal(drafter.propose(ctx).beams, first.beams)
 
 
 def test_h_is_the_state_that_chose_g0(tiny_target):

@@ -102,6 +102,16 @@ class Drafter(ABC):
     def select_rows(self, keep: torch.Tensor) -> None:
         """Rows not in ``keep`` (1D long, new order) have left the batch."""
 
+    def samples_drafts(self, ctx: DraftContext) -> bool:
+        """Whether ``propose(ctx)`` would draw its drafts and report ``q`` (default: never)."""
+        return False
+
+    def propose_deterministic(self, ctx: DraftContext) -> Proposal:
+        """Candidates that are a fixed function of the history (no ``q``), for drafters
+        that can give them even where ``propose`` would sample (a combination's parts:
+        their union is verified by recursive rejection). Default: ``propose``."""
+        return self.propose(ctx)
+
     def compile(self, backend: str = "inductor") -> bool:
         """Compile the drafter's own model code with ``torch.compile`` (``backend``) where
         that makes drafting cheaper; True if anything was compiled (default: nothing).

@@ -4,9 +4,16 @@ Each step: h (the target's hidden state whose logits chose g0) and g0 go through
 ReDrafter head's beam search; its W beams of L tokens (g0 included, so L - 1 drafted
 tokens) are verified together by the engine's dynamic tree attention. Candidates are
 deterministic (no q): under sampling the engine's recursive rejection keeps the output
-distributed exactly as the target's. The drafter keeps no state between steps; a head with
-context attention reads each row's latest target states from the engine (``ctx.recent``)
-and replaces h by a_t before the search.
+distributed exactly as the target's. A head with context attention reads each row's latest
+target states from the engine (``ctx.recent``) and replaces h by a_t before the search.
+
+Sampled chains (W = 1, ``sample_drafts``): for rows that sample, a beam of one is a poor
+proposal, accepted with probability p(x) for its single token x, where a token *drawn* from
+the head's own distribution q (at the row's temperature / top-k / top-p) is accepted with
+probability sum_x min(p(x), q(x)) (speculative sampling; the engine's chain acceptance,
+exact for any q). Such rows walk the recurrence drawing y_j ~ q_j and report q; greedy rows
+of the same batch take the argmax, as the beam search of one would. The only state kept
+between steps is each sampling request's generator.
 """
 
 from __future__ import annotations
@@ -16,7 +23,10 @@ import torch
 from .. import fastpath
 from ..heads.beam_search import redrafter_beam_search
 from ..heads.model import ReDrafterHead
+from ..sampling import make_generator, sample, target_probs
 from .base import DraftContext, Drafter, Proposal, check_shapes
+
+DRAFT_SEED_OFFSET = 0x5EED_4EAD  # the head's stream differs from the target's, same seed
 
 
 def beam_shape(config, beam_width: int | None, beam_length: int | None) -> tuple[int, int]:
@@ -37,12 +47,15 @@ class ReDrafter(Drafter):
     name = "redrafter"
     acceptance_prior = 0.5
 
-    def __init__(self, head: ReDrafterHead, beam_width: int | None = None, beam_length: int | None = None):
+    def __init__(self, head: ReDrafterHead, beam_width: int | None = None, beam_length: int | None = None,
+                 sample_drafts: bool = True):
         self.head = head
         fastpath.small_batch_linear(head)  # its few-row linears, like the target's (CPU)
         self.W, self.L = beam_shape(head.config, beam_width, beam_length)
         self.context_window = head.config.context
         self.feature_layers = tuple(head.config.feature_layers)
+        self.sample_drafts = sample_drafts
+        self.generators: dict[int, torch.Generator] = {}  # request id -> the head's draws
 
     @classmethod
     def load(cls, path, target, beam_width: int | None = None, beam_length: int | None = None) -> "ReDrafter":
@@ -50,14 +63,77 @@ class ReDrafter(Drafter):
         beam_width / beam_length (W=4, L=5 unless it records others)."""
         return cls(ReDrafterHead.load(path, target), beam_width, beam_length)
 
+    def start(self, ctx: DraftContext) -> None:
+        self.generators = {}  # a new batch: its request ids start again
+
+    def samples_drafts(self, ctx: DraftContext) -> bool:
+        return (self.sample_drafts and self.W == 1 and min(self.L, int(ctx.budget.max())) > 1
+                and not bool(ctx.greedy.all()))
+
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> Proposal:
         # No row may use more than its budget: drafting deeper would only be clipped away.
+        L = min(self.L, int(ctx.budget.max()))
+        if self.samples_drafts(ctx):
+            with fastpath.active():
+                return self.sampled_chain(self.root_states(ctx), ctx, L)
+        return self.propose_deterministic(ctx)
+
+    @torch.no_grad()
+    def propose_deterministic(self, ctx: DraftContext) -> Proposal:
+        """The beam search's W beams (greedy rows and sampling rows alike)."""
         L = min(self.L, int(ctx.budget.max()))
         with fastpath.active():
             hidden = self.root_states(ctx)
             result = redrafter_beam_search(self.head, hidden, ctx.g0, self.W, L)
         return Proposal(beams=result.beams, valid=result.valid, confidence=beam_confidence(result))
+
+    def sampled_chain(self, hidden: torch.Tensor, ctx: DraftContext, L: int) -> Proposal:
+        """One beam of L tokens per row (B, 1, L), g0 first: sampling rows draw y_j ~ q_j,
+        greedy rows take argmax q_j. q (B, L - 1, V) float32 is each depth's distribution
+        over the target's vocabulary (zero outside a draft vocabulary; a point mass on the
+        argmax for greedy rows, which are verified greedily and never read it)."""
+        head, vocab, B = self.head, self.head.draft_vocab, hidden.shape[0]
+        rows = (~ctx.greedy).nonzero().flatten()
+        knobs = [torch.tensor([getattr(ctx.params[b], k) for b in rows.tolist()], device=hidden.device)
+                 for k in ("temperature", "top_k", "top_p")]
+        generators = self.row_generators(ctx, rows.tolist())
+        h = hidden[:, None, :]
+        bias = head.recurrence_bias(h)
+        state = head.step(head.initial_state((B, 1), device=hidden.device), ctx.g0[:, None], bias)
+        tokens, qs, confidence = [ctx.g0], [], [torch.ones(B, device=hidden.device)]
+        for _ in range(L - 1):
+            logits = head.draft_logits(h, state)[:, 0]  # (B, N) float32
+            logits = logits if vocab is None else vocab.scatter(logits)  # (B, V), -inf outside
+            token = logits.argmax(dim=-1)
+            q = torch.nn.functional.one_hot(token, logits.shape[-1]).float()
+            q_rows = target_probs(logits[rows], *knobs)
+            token[rows] = sample(q_rows, generators)
+            q[rows] = q_rows
+            conf = logits.softmax(dim=-1).gather(1, token[:, None])[:, 0]
+            conf[rows] = q_rows.gather(1, token[rows, None])[:, 0]
+            tokens.append(token), qs.append(q), confidence.append(conf)
+            state = head.step(state, token[:, None], bias)
+        beams = torch.stack(tokens, dim=1)[:, None, :]
+        return Proposal(beams=beams, valid=torch.ones_like(beams, dtype=torch.bool), q=torch.stack(qs, dim=1),
+                        confidence=torch.stack(confidence, dim=1)[:, None, :])
+
+    def row_generators(self, ctx: DraftContext, rows: list[int]) -> list[torch.Generator]:
+        """The generators of sampling rows ``rows`` (batch indices), one per request, made at
+        its first sampled draft from its seed (+ ``DRAFT_SEED_OFFSET``); requests no longer in
+        the batch are forgotten."""
+        live = set(ctx.request_ids) if ctx.request_ids else None
+        if live is not None:
+            self.generators = {r: g for r, g in self.generators.items() if r in live}
+        out = []
+        for b in rows:
+            key = ctx.request_ids[b] if ctx.request_ids else b
+            if key not in self.generators:
+                seed = ctx.params[b].seed
+                seed = None if seed is None else (seed + DRAFT_SEED_OFFSET) % (1 << 64)
+                self.generators[key] = make_generator(seed, ctx.g0.device)
+            out.append(self.generators[key])
+        return out
 
     def root_states(self, ctx: DraftContext) -> torch.Tensor:
         """(B, d) what the head starts from: h, fused with the target's states after its
