@@ -25,7 +25,7 @@ from .models import Target
 from .plantrace import PlanTrace
 from .recent import RecentStates
 from .rows import STAGES, Batch, GenerationResult, Row, StageTimer, StepEvent  # noqa: F401 (STAGES: re-exported)
-from .sampling import SamplingParams, make_generator, sample, target_probs
+from .sampling import SamplingParams, knobs, make_generator, sample, target_probs
 from .textstream import TextStream
 from .tree import TreeBatch, pack_beams
 
@@ -394,9 +394,7 @@ class SpeculativeEngine:
 
     @staticmethod
     def _knobs(rows: list[Row], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (torch.tensor([r.params.temperature for r in rows], device=device),
-                torch.tensor([r.params.top_k for r in rows], device=device),
-                torch.tensor([r.params.top_p for r in rows], device=device))
+        return knobs([r.params for r in rows], device)
 
     def _remaining(self, rows: list[Row]) -> list[int]:
         """Tokens each row may still generate (its own limit, or the target's context)."""

@@ -48,6 +48,13 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def knobs(params: list[SamplingParams], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(temperature, top_k, top_p) tensors (B,) of rows' params: ``target_probs``'s arguments."""
+    return (torch.tensor([p.temperature for p in params], device=device),
+            torch.tensor([p.top_k for p in params], device=device),
+            torch.tensor([p.top_p for p in params], device=device))
+
+
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                  top_p: torch.Tensor) -> torch.Tensor:
     """Distribution p for sampling rows.
@@ -103,6 +110,12 @@ def uniform(shape_per_row: tuple[int, ...], generators: list[torch.Generator | N
             device) -> torch.Tensor:
     """Uniform [0, 1) draws (B, *shape_per_row), each row from its own generator."""
     return torch.stack([torch.rand(shape_per_row, generator=g, device=device) for g in generators])
+
+
+def offset_generator(seed: int | None, offset: int, device) -> torch.Generator:
+    """A drafter's own generator for a request seeded ``seed``: seeded seed + ``offset``
+    (mod 2**64, torch's range), so its draws differ from the target's; random if None."""
+    return make_generator(None if seed is None else (seed + offset) % (1 << 64), device)
 
 
 def make_generator(seed: int | None, device) -> torch.Generator:

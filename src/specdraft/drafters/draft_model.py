@@ -43,7 +43,7 @@ from ..cache import CompactCache
 from ..checkpoint import WEIGHTS, read_config
 from ..errors import SpecdraftError, first_line
 from ..models import Target, parameter_count  # re-exported: tests and users import it here
-from ..sampling import make_generator, sample, target_probs
+from ..sampling import knobs, offset_generator, sample, target_probs
 from ..vocab import DraftVocab
 from .base import DraftContext, Drafter, Proposal, check_shapes
 
@@ -119,7 +119,7 @@ class DraftModelDrafter(Drafter):
         cache = CompactCache(self.draft.num_layers, B, capacity, device).allocate(*self.draft.kv_shape, self.draft.dtype)
         ids = torch.full((B, capacity), -1, dtype=torch.long, device=device)
         generators = [None if p.greedy else
-                      make_generator(None if p.seed is None else p.seed + DRAFT_SEED_OFFSET, device)
+                      offset_generator(p.seed, DRAFT_SEED_OFFSET, device)
                       for p in ctx.params] if ctx.params else [None] * B
         return cache, ids, generators
 
@@ -269,10 +269,7 @@ class DraftModelDrafter(Drafter):
         q = None
         if sampling:
             idx = torch.tensor(sampling, device=logits.device)
-            params = [ctx.params[b] for b in sampling]
-            knobs = [torch.tensor([getattr(p, k) for p in params], device=logits.device)
-                     for k in ("temperature", "top_k", "top_p")]
-            q_rows = target_probs(logits[idx], *knobs)
+            q_rows = target_probs(logits[idx], *knobs([ctx.params[b] for b in sampling], logits.device))
             tokens[idx] = sample(q_rows, [self.generators[b] for b in sampling])
             # Greedy rows: a point mass on their argmax (unused: they are verified greedily).
             q = torch.nn.functional.one_hot(tokens, V).float()

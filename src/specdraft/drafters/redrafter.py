@@ -23,7 +23,7 @@ import torch
 from .. import fastpath
 from ..heads.beam_search import redrafter_beam_search
 from ..heads.model import ReDrafterHead
-from ..sampling import make_generator, sample, target_probs
+from ..sampling import knobs, offset_generator, sample, target_probs
 from .base import DraftContext, Drafter, Proposal, check_shapes
 
 DRAFT_SEED_OFFSET = 0x5EED_4EAD  # the head's stream differs from the target's, same seed
@@ -95,8 +95,7 @@ class ReDrafter(Drafter):
         argmax for greedy rows, which are verified greedily and never read it)."""
         head, vocab, B = self.head, self.head.draft_vocab, hidden.shape[0]
         rows = (~ctx.greedy).nonzero().flatten()
-        knobs = [torch.tensor([getattr(ctx.params[b], k) for b in rows.tolist()], device=hidden.device)
-                 for k in ("temperature", "top_k", "top_p")]
+        row_knobs = knobs([ctx.params[b] for b in rows.tolist()], hidden.device)
         generators = self.row_generators(ctx, rows.tolist())
         h = hidden[:, None, :]
         bias = head.recurrence_bias(h)
@@ -107,7 +106,7 @@ class ReDrafter(Drafter):
             logits = logits if vocab is None else vocab.scatter(logits)  # (B, V), -inf outside
             token = logits.argmax(dim=-1)
             q = torch.nn.functional.one_hot(token, logits.shape[-1]).float()
-            q_rows = target_probs(logits[rows], *knobs)
+            q_rows = target_probs(logits[rows], *row_knobs)
             token[rows] = sample(q_rows, generators)
             q[rows] = q_rows
             conf = logits.softmax(dim=-1).gather(1, token[:, None])[:, 0]
@@ -129,9 +128,7 @@ class ReDrafter(Drafter):
         for b in rows:
             key = ctx.request_ids[b] if ctx.request_ids else b
             if key not in self.generators:
-                seed = ctx.params[b].seed
-                seed = None if seed is None else (seed + DRAFT_SEED_OFFSET) % (1 << 64)
-                self.generators[key] = make_generator(seed, ctx.g0.device)
+                self.generators[key] = offset_generator(ctx.params[b].seed, DRAFT_SEED_OFFSET, ctx.g0.device)
             out.append(self.generators[key])
         return out
 
