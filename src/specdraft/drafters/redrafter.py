@@ -94,7 +94,7 @@ class ReDrafter(Drafter):
         over the target's vocabulary (zero outside a draft vocabulary; a point mass on the
         argmax for greedy rows, which are verified greedily and never read it)."""
         head, vocab, B = self.head, self.head.draft_vocab, hidden.shape[0]
-        rows = (~ctx.greedy).nonzero().flatten()
+        rows, greedy = (~ctx.greedy).nonzero().flatten(), ctx.greedy.nonzero().flatten()
         row_knobs = knobs([ctx.params[b] for b in rows.tolist()], hidden.device)
         generators = self.row_generators(ctx, rows.tolist())
         h = hidden[:, None, :]
@@ -109,8 +109,10 @@ class ReDrafter(Drafter):
             q_rows = target_probs(logits[rows], *row_knobs)
             token[rows] = sample(q_rows, generators)
             q[rows] = q_rows
-            conf = logits.softmax(dim=-1).gather(1, token[:, None])[:, 0]
+            conf = torch.ones(B, device=hidden.device)  # q of each drawn / chosen token
             conf[rows] = q_rows.gather(1, token[rows, None])[:, 0]
+            if len(greedy):  # a softmax only for the rows that need it, not the whole batch
+                conf[greedy] = logits[greedy].softmax(dim=-1).gather(1, token[greedy, None])[:, 0]
             tokens.append(token), qs.append(q), confidence.append(conf)
             state = head.step(state, token[:, None], bias)
         beams = torch.stack(tokens, dim=1)[:, None, :]
