@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import sample, uniform
+from .sampling import sample
 from .tree import TreeBatch
 
 
@@ -60,50 +60,47 @@ def accept_greedy(tree: TreeBatch, beams: torch.Tensor, logits: torch.Tensor) ->
 
 def accept_tree_sampling(tree: TreeBatch, beams: torch.Tensor, probs: torch.Tensor,
                          generators: list) -> Acceptance:
-    """Recursive rejection over deterministic candidates.
+    """Recursive rejection over deterministic candidates, as one draw from p per depth.
 
     probs (B, N, V): the target's p at every packed node (already temperature/top-k/top-p).
-    At a node with distinct children c_1..c_m (in beam order) and r = p: accept c_k with
-    probability r(c_k) / sum(r); on rejection set r(c_k) = 0. With u_k uniform this is
-    ``u_k * (1 - sum_{i<k} r(c_i)) < r(c_k)``, so all children are tested at once. If every
-    child is rejected, the next token is sampled from what is left of r.
+    At a node with distinct children c_1..c_m, recursive rejection (accept c_k with
+    probability r(c_k) / sum(r), on rejection zero r(c_k), finally sample what is left of r)
+    has the same law as one draw x ~ p: the walk moves to the child x if there is one, and
+    otherwise x (a token no child holds, so p restricted to the non-children) is the next
+    token. Drawing it that way makes a row consume exactly (its accepted drafts + 1) draws
+    from its generator, whatever the other rows of its batch propose: a seeded request's
+    output does not depend on the batch it was decoded in.
     """
     B, W, L = beams.shape
     device = beams.device
     rows = torch.arange(B, device=device)
     beam_ids = torch.arange(W, device=device)[None, :]
-    u = uniform((max(L - 1, 1), W), generators, device)
     alive = torch.ones(B, W, dtype=torch.bool, device=device)
     node = torch.zeros(B, dtype=torch.long, device=device)  # the root g0 is packed first
     best = torch.zeros(B, dtype=torch.long, device=device)
     n = torch.ones(B, dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     next_token = torch.zeros(B, dtype=torch.long, device=device)
-    for j in range(L - 1):  # depth loop only: rows and children are vectorised
-        p = probs[rows, node]
-        tok = beams[:, :, j + 1]
+    for j in range(L):  # depth loop only: rows and children are vectorised
+        live = (~done).tolist()
+        if not any(live):
+            break
+        x = torch.zeros(B, dtype=torch.long, device=device)
+        x[~done] = sample(probs[rows, node][~done], [g for g, a in zip(generators, live) if a])
+        if j == L - 1:  # below the deepest drafts: x is the next token
+            next_token = torch.where(done, next_token, x)
+            break
         cand = alive & (tree.owner[:, :, j + 1] == beam_ids) & tree.valid[:, :, j + 1] & ~done[:, None]
-        r = p.gather(1, tok) * cand
-        left = 1 - (r.cumsum(dim=1) - r)  # mass not yet rejected when child k is tested
-        ok = cand & (u[:, j] * left < r)
-        moved = ok.any(dim=1)
+        hit = cand & (beams[:, :, j + 1] == x[:, None])  # at most one: children are distinct
+        moved = hit.any(dim=1)
         finish = ~done & ~moved
-        if finish.any():
-            rejected = torch.zeros_like(p).scatter_add_(1, tok, cand.float()) > 0
-            rest = p.masked_fill(rejected, 0)
-            rest = torch.where(rest.sum(1, keepdim=True) > 0, rest, p)  # guard float dust
-            drawn = sample(rest[finish], [g for g, f in zip(generators, finish.tolist()) if f])
-            next_token[finish] = drawn
-            done |= finish
-        k = ok.int().argmax(dim=1)
+        next_token = torch.where(finish, x, next_token)
+        done |= finish
+        k = hit.int().argmax(dim=1)
         node = torch.where(moved, tree.unpack[rows, k, j + 1], node)
         best = torch.where(moved, k, best)
         alive &= ~moved[:, None] | (tree.owner[:, :, j + 1] == k[:, None])
         n += moved.long()
-    if (~done).any():
-        live = ~done
-        p = probs[rows, node]
-        next_token[live] = sample(p[live], [g for g, f in zip(generators, live.tolist()) if f])
     return Acceptance(path=tree.unpack[rows, best], n=n, next_token=next_token, beam=best)
 
 
@@ -126,7 +123,7 @@ def accept_chain_sampling(tree: TreeBatch, beams: torch.Tensor, probs: torch.Ten
     valid = tree.valid[:, 0, 1:]
     px = p[:, :-1].gather(2, x[:, :, None])[:, :, 0]
     qx = q.gather(2, x[:, :, None])[:, :, 0]
-    u = uniform((max(L - 1, 1),), generators, device)[:, : L - 1]
+    u = _own_uniforms(valid.sum(dim=1).tolist(), L - 1, generators, device)
     ok = (u * qx < px) & valid
     m = ok.to(torch.int8).cumprod(dim=1).sum(dim=1).long()  # drafted tokens accepted
     p_m = p[rows, m]
@@ -140,3 +137,13 @@ def accept_chain_sampling(tree: TreeBatch, beams: torch.Tensor, probs: torch.Ten
     next_token = sample(p_m, generators)
     zero = torch.zeros(B, dtype=torch.long, device=device)
     return Acceptance(path=chain, n=m + 1, next_token=next_token, beam=zero)
+
+
+def _own_uniforms(counts: list[int], width: int, generators: list, device) -> torch.Tensor:
+    """(B, width) uniforms: row b draws counts[b] from its own generator (the rest are 1,
+    which no test accepts), so its stream does not depend on the other rows' lengths."""
+    u = torch.ones(len(counts), width, device=device)
+    for b, (c, g) in enumerate(zip(counts, generators)):
+        if c:
+            u[b, :c] = torch.rand((c,), generator=g, device=device)
+    return u

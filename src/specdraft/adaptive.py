@@ -218,7 +218,7 @@ class AdaptivePolicy:
         Depth 1's prior: the pooled evidence of the requests so far (``POOL_DECAY``)."""
         base = self.prior if self.prior is not None else getattr(drafter, "acceptance_prior", 0.5)
         base = min(max(float(base), 0.0), 1.0)
-        fixed = params is not None and not params.greedy and params.seed is not None
+        fixed = params is not None and params.seeded
         return RowStats(prior=self.pooled(base), base=base, fixed=fixed)
 
     def pooled(self, base: float) -> float:

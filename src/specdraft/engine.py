@@ -404,9 +404,10 @@ class SpeculativeEngine:
     def _context(self, batch: Batch) -> DraftContext:
         rows, device = batch.rows, self.target.device
         # A beam may hold no more tokens than the row may still generate or fit in its
-        # context, nor more than its share of the step's tree-token cap.
+        # context, nor more than its share of the step's tree-token cap. Seeded sampling
+        # rows are spared the share: it depends on the batch, and so would their text.
         share = max(1, self.max_tree_tokens // max(len(rows), 1)) if self.max_tree_tokens else 1 << 30
-        budget = [min(left, share) for left in self._remaining(rows)]
+        budget = [left if r.params.seeded else min(left, share) for r, left in zip(rows, self._remaining(rows))]
         return DraftContext(
             tokens=[torch.tensor(r.prompt + r.generated, device=device) for r in rows],
             g0=torch.tensor([r.generated[-1] if r.generated else 0 for r in rows], device=device),
@@ -468,3 +469,4 @@ class SpeculativeEngine:
         if batch.features is not None:
             batch.features = batch.features[keep]
         batch.ctx = self._context(batch)
+

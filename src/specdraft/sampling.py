@@ -47,6 +47,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def seeded(self) -> bool:
+        """A sampling request with a seed: its text must not depend on the batch it is
+        decoded in, nor on timings (the engine and the adaptive policy keep its drafts'
+        shape fixed for it)."""
+        return not self.greedy and self.seed is not None
+
 
 def knobs(params: list[SamplingParams], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(temperature, top_k, top_p) tensors (B,) of rows' params: ``target_probs``'s arguments."""
@@ -104,12 +111,6 @@ def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> tor
     threshold = (1 - u) * mass[:, -1]
     token = torch.searchsorted(mass, threshold[:, None]).squeeze(1)
     return token.clamp_max(probs.shape[-1] - 1)  # only reachable if the total were NaN
-
-
-def uniform(shape_per_row: tuple[int, ...], generators: list[torch.Generator | None],
-            device) -> torch.Tensor:
-    """Uniform [0, 1) draws (B, *shape_per_row), each row from its own generator."""
-    return torch.stack([torch.rand(shape_per_row, generator=g, device=device) for g in generators])
 
 
 def offset_generator(seed: int | None, offset: int, device) -> torch.Generator:

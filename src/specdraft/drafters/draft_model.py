@@ -225,7 +225,10 @@ class DraftModelDrafter(Drafter):
         sampling = [b for b, g in enumerate(ctx.greedy.tolist()) if not g] if W == 1 else []
         base, width = cache.lengths.clone(), cache.width  # g0 sits at position base - 1
         score = torch.zeros(B, W, device=device)
-        tokens, parent, score, q_j = self._choose(logits[:, None], score, ctx, sampling, first=True)
+        # A row draws only the tokens its own budget keeps: its stream stays its own.
+        budget = ctx.budget.tolist()
+        tokens, parent, score, q_j = self._choose(logits[:, None], score, ctx, sampling,
+                                                  [b for b in sampling if budget[b] > 1], first=True)
         paths = tokens[:, :, None]
         confs = _token_probs(logits[:, None], tokens, parent)
         slots = torch.zeros(B, W, 0, dtype=torch.long, device=device)
@@ -242,7 +245,8 @@ class DraftModelDrafter(Drafter):
             # contiguous: a compiled draft (``compile``) specialises on strides
             hidden = self.draft.forward(paths[:, :, -1].contiguous(), positions.contiguous(), mask, cache)
             level_logits = self._logits(hidden)
-            tokens, parent, score, q_j = self._choose(level_logits, score, ctx, sampling)
+            tokens, parent, score, q_j = self._choose(level_logits, score, ctx, sampling,
+                                                      [b for b in sampling if budget[b] > level + 1])
             slots = torch.cat([slots, own.expand(B, W)[:, :, None]], dim=2)
             slots, paths, ancestry, confs = (x.gather(1, parent[:, :, None].expand(-1, -1, x.shape[2]))
                                              for x in (slots, paths, ancestry, confs))
@@ -255,9 +259,10 @@ class DraftModelDrafter(Drafter):
         return torch.cat([g0, paths], dim=2), q, slots, confidence
 
     def _choose(self, logits: torch.Tensor, score: torch.Tensor, ctx: DraftContext,
-                sampling: list[int], first: bool = False):
+                sampling: list[int], drawing: list[int], first: bool = False):
         """Next tokens from draft logits (B, W, V): (tokens (B, W), parents (B, W), scores
-        (B, W), q (B, V) for a chain with sampling rows, else None)."""
+        (B, W), q (B, V) for a chain with sampling rows, else None). Rows in ``drawing`` (of
+        ``sampling``) draw their token from q; the other rows take the argmax."""
         B, W, V = logits.shape[0], self.W, logits.shape[-1]
         if W > 1:  # beam search on cumulative log-probs; the root has one parent
             total = score[:, :, None] + logits.log_softmax(dim=-1)
@@ -270,7 +275,10 @@ class DraftModelDrafter(Drafter):
         if sampling:
             idx = torch.tensor(sampling, device=logits.device)
             q_rows = target_probs(logits[idx], *knobs([ctx.params[b] for b in sampling], logits.device))
-            tokens[idx] = sample(q_rows, [self.generators[b] for b in sampling])
+            if drawing:
+                chosen = set(drawing)
+                keep = torch.tensor([i for i, b in enumerate(sampling) if b in chosen], device=logits.device)
+                tokens[idx[keep]] = sample(q_rows[keep], [self.generators[b] for b in drawing])
             # Greedy rows: a point mass on their argmax (unused: they are verified greedily).
             q = torch.nn.functional.one_hot(tokens, V).float()
             q[idx] = q_rows

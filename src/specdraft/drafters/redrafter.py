@@ -101,13 +101,18 @@ class ReDrafter(Drafter):
         bias = head.recurrence_bias(h)
         state = head.step(head.initial_state((B, 1), device=hidden.device), ctx.g0[:, None], bias)
         tokens, qs, confidence = [ctx.g0], [], [torch.ones(B, device=hidden.device)]
-        for _ in range(L - 1):
+        # A row draws only the tokens its own budget keeps, so its stream never depends on
+        # how deep the other rows of the batch let the chain go.
+        budget = ctx.budget[rows].tolist()
+        for j in range(L - 1):
             logits = head.draft_logits(h, state)[:, 0]  # (B, N) float32
             logits = logits if vocab is None else vocab.scatter(logits)  # (B, V), -inf outside
             token = logits.argmax(dim=-1)
             q = torch.nn.functional.one_hot(token, logits.shape[-1]).float()
             q_rows = target_probs(logits[rows], *row_knobs)
-            token[rows] = sample(q_rows, generators)
+            kept = [i for i, b in enumerate(budget) if b > j + 1]
+            if kept:
+                token[rows[kept]] = sample(q_rows[kept], [generators[i] for i in kept])
             q[rows] = q_rows
             conf = torch.ones(B, device=hidden.device)  # q of each drawn / chosen token
             conf[rows] = q_rows.gather(1, token[rows, None])[:, 0]
