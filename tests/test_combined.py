@@ -81,8 +81,9 @@ def test_auto_is_lookup_with_the_shipped_head_on_the_default_target_only(tiny_ta
 
 def test_a_sampling_redrafter_part_proposes_alone_when_every_row_samples(tiny_target):
     """A ReDrafter head at W = 1 samples its chain (q). In a combination it does so alone
-    when every row samples; with a greedy row in the batch the parts' deterministic beams
-    are united (no q), the head's beam being its beam search's."""
+    when every row samples or a row is seeded; with a greedy row and no seeded one in the
+    batch the parts' deterministic beams are united (no q), the head's beam being its beam
+    search's."""
     from specdraft.drafters.redrafter import ReDrafter
 
     torch.manual_seed(0)
@@ -97,6 +98,8 @@ def test_a_sampling_redrafter_part_proposes_alone_when_every_row_samples(tiny_ta
     assert alone.q is not None and alone.beams.shape[1] == 1
     ctx.greedy[1] = True
     ctx.params[1] = SamplingParams()
+    assert drafter.propose(ctx).q is not None  # row 0 is seeded: its draft may not depend on row 1
+    ctx.params[0] = SamplingParams(temperature=1.0)
     union = drafter.propose(ctx)
     beams = ReDrafter(head, beam_width=1, beam_length=3).propose_deterministic(ctx)
     assert union.q is None and union.beams.shape[1] > 1

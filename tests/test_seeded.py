@@ -15,6 +15,7 @@ import torch
 
 from drafters_for_tests import RandomBeamsDrafter
 from specdraft.drafters import LookupDrafter, NoDrafter
+from specdraft.drafters.combined import CombinedDrafter
 from specdraft.drafters.redrafter import ReDrafter
 from specdraft.engine import SpeculativeEngine
 from specdraft.heads import ReDrafterHead
@@ -62,7 +63,8 @@ def test_deterministic_drafts_give_plain_seeded_text(tiny_target, which):
 
 @pytest.fixture(scope="module")
 def chain_drafters(tiny_target, tmp_path_factory):
-    """Makers of drafters that sample their drafts: a ReDrafter head at W = 1, a draft model."""
+    """Makers of drafters that sample their drafts: a ReDrafter head at W = 1, a draft model,
+    a combination holding the head."""
     from specdraft.drafters.draft_model import DraftModelDrafter
     from specdraft.models import load_target
 
@@ -71,10 +73,12 @@ def chain_drafters(tiny_target, tmp_path_factory):
     draft_path = make_tiny_llama(tmp_path_factory.mktemp("seeded") / "draft", vocab_size=16, seed=5)
     draft = load_target(str(draft_path), dtype="float32").model
     return {"redrafter": lambda: ReDrafter(head, beam_width=1, beam_length=4),
-            "draft-model": lambda: DraftModelDrafter(draft, gamma=3)}
+            "draft-model": lambda: DraftModelDrafter(draft, gamma=3),
+            # beside a greedy row a combination would otherwise verify the parts' union
+            "lookup+redrafter": lambda: CombinedDrafter([LookupDrafter(2, 4), ReDrafter(head, beam_width=1, beam_length=4)])}
 
 
-@pytest.mark.parametrize("which", ["redrafter", "draft-model"])
+@pytest.mark.parametrize("which", ["redrafter", "draft-model", "lookup+redrafter"])
 def test_sampled_drafts_give_the_same_text_in_any_batch(tiny_target, chain_drafters, which):
     alone = {}
     for prompts, params, where in batches():

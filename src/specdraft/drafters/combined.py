@@ -54,10 +54,12 @@ class CombinedDrafter(Drafter):
             p.warmed()
 
     def propose(self, ctx: DraftContext) -> Proposal:
-        if not bool(ctx.greedy.any()):
+        if not bool(ctx.greedy.any()) or any(p.seeded for p in ctx.params or []):
             # Every row samples: a part that draws its drafts from its own q does better alone
             # than the union of point-mass beams (MT-Bench, T = 1, the shipped head: τ 1.51
-            # sampled against 1.28 for lookup + the head's beams; docs/redrafter.md).
+            # sampled against 1.28 for lookup + the head's beams; docs/redrafter.md). A seeded
+            # row gets that part alone whatever its neighbours (greedy ones take its argmax
+            # chain), or its text would depend on whether its batch holds a greedy row.
             sampler = next((p for p in self.parts if p.samples_drafts(ctx)), None)
             if sampler is not None:
                 return sampler.propose(ctx)
