@@ -404,20 +404,26 @@ class SpeculativeEngine:
     def _context(self, batch: Batch) -> DraftContext:
         rows, device = batch.rows, self.target.device
         # A beam may hold no more tokens than the row may still generate or fit in its
-        # context, nor more than its share of the step's tree-token cap. Seeded sampling
-        # rows are spared the share: it depends on the batch, and so would their text.
+        # context, nor more than its share of the step's tree-token cap.
         share = max(1, self.max_tree_tokens // max(len(rows), 1)) if self.max_tree_tokens else 1 << 30
-        budget = [left if r.params.seeded else min(left, share) for r, left in zip(rows, self._remaining(rows))]
-        return DraftContext(
+        left = self._remaining(rows)
+        ctx = DraftContext(
             tokens=[torch.tensor(r.prompt + r.generated, device=device) for r in rows],
             g0=torch.tensor([r.generated[-1] if r.generated else 0 for r in rows], device=device),
             hidden=batch.hidden,
             recent=batch.recent,
             features=batch.features,
-            budget=torch.tensor(budget, device=device).clamp(min=1),
+            budget=torch.tensor([n if r.params.seeded else min(n, share) for r, n in zip(rows, left)],
+                                device=device).clamp(min=1),
             greedy=torch.tensor([r.params.greedy for r in rows], device=device),
             request_ids=[r.request_id for r in rows],
             params=[r.params for r in rows])
+        # Sampled drafts: how far a seeded row's chain is verified changes its text, and the
+        # share depends on the batch, so seeded rows are spared it. Deterministic drafts
+        # need no such care (a row then draws one token per token it gains): they keep it.
+        if share < max(left, default=0) and any(r.params.seeded for r in rows) and not self.drafter.samples_drafts(ctx):
+            ctx.budget = ctx.budget.clamp(max=share)
+        return ctx
 
     @staticmethod
     def _clip(proposal: Proposal, budget: torch.Tensor) -> Proposal:

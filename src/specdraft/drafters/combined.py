@@ -53,16 +53,25 @@ class CombinedDrafter(Drafter):
         for p in self.parts:
             p.warmed()
 
+    def samples_drafts(self, ctx: DraftContext) -> bool:
+        return self._sampler(ctx) is not None
+
+    def _sampler(self, ctx: DraftContext):
+        """The part that proposes alone, drawing its drafts, if any.
+
+        When every row samples, a part that draws its drafts from its own q does better alone
+        than the union of point-mass beams (MT-Bench, T = 1, the shipped head: τ 1.51 sampled
+        against 1.28 for lookup + the head's beams; docs/redrafter.md). A seeded row gets that
+        part alone whatever its neighbours (greedy ones take its argmax chain), or its text
+        would depend on whether its batch holds a greedy row."""
+        if bool(ctx.greedy.any()) and not any(p.seeded for p in ctx.params or []):
+            return None
+        return next((p for p in self.parts if p.samples_drafts(ctx)), None)
+
     def propose(self, ctx: DraftContext) -> Proposal:
-        if not bool(ctx.greedy.any()) or any(p.seeded for p in ctx.params or []):
-            # Every row samples: a part that draws its drafts from its own q does better alone
-            # than the union of point-mass beams (MT-Bench, T = 1, the shipped head: τ 1.51
-            # sampled against 1.28 for lookup + the head's beams; docs/redrafter.md). A seeded
-            # row gets that part alone whatever its neighbours (greedy ones take its argmax
-            # chain), or its text would depend on whether its batch holds a greedy row.
-            sampler = next((p for p in self.parts if p.samples_drafts(ctx)), None)
-            if sampler is not None:
-                return sampler.propose(ctx)
+        sampler = self._sampler(ctx)
+        if sampler is not None:
+            return sampler.propose(ctx)
         proposals = [p.propose_deterministic(ctx) for p in self.parts]
         if any(p.q is not None for p in proposals):
             raise SpecdraftError("a combined drafter needs deterministic candidates from every part "

@@ -123,6 +123,10 @@ class DraftModelDrafter(Drafter):
                       for p in ctx.params] if ctx.params else [None] * B
         return cache, ids, generators
 
+    def samples_drafts(self, ctx: DraftContext) -> bool:
+        """A chain (W = 1) with sampling rows and room to draft: drafts drawn from q."""
+        return self.W == 1 and self.gamma > 0 and int(ctx.budget.max()) > 1 and not bool(ctx.greedy.all())
+
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> Proposal:
         if self.cache is None or self.cache.lengths.shape[0] != len(ctx.tokens):
