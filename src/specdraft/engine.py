@@ -186,7 +186,7 @@ class SpeculativeEngine:
             drafting = time.perf_counter() - started
             if stats is not None:
                 proposal = self._adapt(proposal, batch, ctx, depth, drafting, weights)
-        if self._plain(proposal, stats, ctx):
+        if self._plain(proposal):
             events = self._plain_step(batch, proposed=True, started=step_start + drafting)
             self._judge_look(stats, None, step_start, width)
             return events
@@ -257,16 +257,11 @@ class SpeculativeEngine:
         return replace(proposal, valid=valid)
 
     @staticmethod
-    def _plain(proposal: Proposal, stats, ctx: DraftContext) -> bool:
-        """Whether a proposal without drafted tokens may run as ``_plain_step``. The plain
-        step consumes a sampling row's generator differently from a tree's verification,
-        so it is taken only where that cannot depend on the other rows: a greedy batch
-        (argmax either way; e.g. a fixed shape cut to g0 by the tree-token cap), a drafter
-        that never drafts (shape 1 x 1), or a policy without seeded sampling rows."""
-        if proposal.valid[:, :, 1:].any():
-            return False
-        return bool(ctx.greedy.all()) or proposal.beams.shape[1:] == (1, 1) or \
-            (stats is not None and not any(s.fixed for s in stats))
+    def _plain(proposal: Proposal) -> bool:
+        """Whether a proposal without drafted tokens may run as ``_plain_step`` (g0 alone, no
+        tree): always, since verifying g0 alone draws one token per sampling row from p, as
+        the plain step does (argmax for greedy rows), so neither can tell the other apart."""
+        return not bool(proposal.valid[:, :, 1:].any())
 
     def _plain_step(self, batch: Batch, proposed: bool, started: float | None = None) -> list[StepEvent]:
         """One autoregressive step for every row: the cheapest step there is (g0 alone,
