@@ -87,3 +87,19 @@ def test_sampled_drafts_give_the_same_text_in_any_batch(tiny_target, chain_draft
             key = SEEDED.index(params[i])
             alone.setdefault(key, out[i])  # the first batches are the requests alone
             assert out[i] == alone[key], f"seeded request {key} changed with its batch"
+
+
+def test_deterministic_drafts_are_adapted_yet_keep_the_text(tiny_target):
+    """Under the adaptive policy a seeded row with deterministic drafts is adapted like any
+    other (here drafting mostly turns off: every token costs a full forward) and its text
+    is still plain seeded decoding's."""
+    from specdraft.adaptive import AdaptivePolicy
+    from specdraft.costmodel import CostModel
+
+    steep = CostModel([1, 2, 64], [1.0, 2.0, 64.0])
+    plain = texts(tiny_target, NoDrafter(), PROMPTS[:3], SEEDED)
+    with torch.no_grad():
+        res = SpeculativeEngine(tiny_target, LookupDrafter(3, 5), policy=AdaptivePolicy(steep)).generate(
+            PROMPTS[:3], SEEDED)
+    assert [r.token_ids for r in res] == plain
+    assert sum(r.off_steps for r in res) > 0, "the policy never adapted a seeded row"

@@ -108,7 +108,7 @@ class RowStats:
 
     prior: float
     base: float = 0.5  # the drafter's own prior (``pooled`` starts from it)
-    fixed: bool = False  # seeded sampling: keep the drafter's fixed shape (see new_row)
+    fixed: bool = False  # seeded sampling with drafts that may be sampled: keep the fixed shape (new_row)
     hits: list[float] = field(default_factory=lambda: [0.0] * MAX_DEPTH)
     trials: list[float] = field(default_factory=lambda: [0.0] * MAX_DEPTH)
     seen: float = 0.0
@@ -213,12 +213,14 @@ class AdaptivePolicy:
 
     def new_row(self, drafter, params=None) -> RowStats:
         """Stats for a new request. A seeded sampling request keeps the drafter's fixed
-        shape: its random stream is consumed per verified tree, so adapting (to the batch,
-        to timings) would make a seed's output depend on them; greedy output never does.
+        shape where its drafts may be sampled: how deep they are verified changes its text,
+        so adapting (to the batch, to timings) would make a seed's output depend on them.
+        Greedy output never does, nor a seeded row's with deterministic drafts (it draws
+        one token per token it gains, whatever the shape).
         Depth 1's prior: the pooled evidence of the requests so far (``POOL_DECAY``)."""
         base = self.prior if self.prior is not None else getattr(drafter, "acceptance_prior", 0.5)
         base = min(max(float(base), 0.0), 1.0)
-        fixed = params is not None and params.seeded
+        fixed = params is not None and params.seeded and drafter.may_sample_drafts()
         return RowStats(prior=self.pooled(base), base=base, fixed=fixed)
 
     def pooled(self, base: float) -> float:

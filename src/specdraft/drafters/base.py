@@ -106,6 +106,12 @@ class Drafter(ABC):
         """Whether ``propose(ctx)`` would draw its drafts and report ``q`` (default: never)."""
         return False
 
+    def may_sample_drafts(self) -> bool:
+        """Whether ``samples_drafts`` can hold for some batch. Only then does a seeded row's
+        text depend on how deep its drafts go (deterministic drafts leave it plain seeded
+        decoding's), so only then must the adaptive policy keep its shape fixed."""
+        return False
+
     def propose_deterministic(self, ctx: DraftContext) -> Proposal:
         """Candidates that are a fixed function of the history (no ``q``), for drafters
         that can give them even where ``propose`` would sample (a combination's parts:

@@ -56,6 +56,9 @@ class CombinedDrafter(Drafter):
     def samples_drafts(self, ctx: DraftContext) -> bool:
         return self._sampler(ctx) is not None
 
+    def may_sample_drafts(self) -> bool:
+        return any(p.may_sample_drafts() for p in self.parts)
+
     def _sampler(self, ctx: DraftContext):
         """The part that proposes alone, drawing its drafts, if any.
 

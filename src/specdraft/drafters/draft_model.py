@@ -123,9 +123,12 @@ class DraftModelDrafter(Drafter):
                       for p in ctx.params] if ctx.params else [None] * B
         return cache, ids, generators
 
+    def may_sample_drafts(self) -> bool:
+        return self.W == 1 and self.gamma > 0
+
     def samples_drafts(self, ctx: DraftContext) -> bool:
         """A chain (W = 1) with sampling rows and room to draft: drafts drawn from q."""
-        return self.W == 1 and self.gamma > 0 and int(ctx.budget.max()) > 1 and not bool(ctx.greedy.all())
+        return self.may_sample_drafts() and int(ctx.budget.max()) > 1 and not bool(ctx.greedy.all())
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> Proposal:

@@ -66,9 +66,11 @@ class ReDrafter(Drafter):
     def start(self, ctx: DraftContext) -> None:
         self.generators = {}  # a new batch: its request ids start again
 
+    def may_sample_drafts(self) -> bool:
+        return self.sample_drafts and self.W == 1 and self.L > 1
+
     def samples_drafts(self, ctx: DraftContext) -> bool:
-        return (self.sample_drafts and self.W == 1 and min(self.L, int(ctx.budget.max())) > 1
-                and not bool(ctx.greedy.all()))
+        return self.may_sample_drafts() and int(ctx.budget.max()) > 1 and not bool(ctx.greedy.all())
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> Proposal:
