@@ -383,3 +383,24 @@ def test_sample_catches_a_biased_law():
     weights = torch.tensor([0.0, 3.0, 0.0, 0.5, 1.5, 0.0, 5.0, 0.0])
     exact = {i: float(w / weights.sum()) for i, w in enumerate(weights)}
     assert g_test(Counter(draws.tolist()), exact).p_value < 1e-3
+
+
+def test_two_level_sample_is_the_plain_inverse_cdf():
+    """``sample`` finds the threshold's block, then the token inside it; that must be the
+    token a single float64 running sum over the whole row gives for the same uniform: over
+    ragged sizes (not multiples of the block), zero blocks, and mass far in the tail."""
+    from specdraft.sampling import SAMPLE_BLOCK
+
+    gen = torch.Generator().manual_seed(7)
+    for V in (5, SAMPLE_BLOCK, 3 * SAMPLE_BLOCK + 17, 1000):
+        w = torch.rand(400, V, generator=gen) ** 4
+        w[:, : V // 2] *= (torch.rand(400, 1, generator=gen) < 0.5)  # half the rows: zero head
+        w[w < 0.05] = 0  # many zero weights, whole zero blocks among them
+        w[w.sum(1) == 0, -1] = 1.0
+        seeds = range(400)
+        got = sample(w, [make_generator(s, "cpu") for s in seeds])
+        u = torch.stack([torch.rand((), dtype=torch.float64, generator=make_generator(s, "cpu")) for s in seeds])
+        mass = w.to(torch.float64).cumsum(dim=-1)
+        want = torch.searchsorted(mass, ((1 - u) * mass[:, -1])[:, None]).squeeze(1)
+        assert torch.equal(got, want), V
+        assert bool((w.gather(1, got[:, None]) > 0).all())

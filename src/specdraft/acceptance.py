@@ -81,12 +81,14 @@ def accept_tree_sampling(tree: TreeBatch, beams: torch.Tensor, probs: torch.Tens
     n = torch.ones(B, dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     next_token = torch.zeros(B, dtype=torch.long, device=device)
+    flat = probs.reshape(B * probs.shape[1], -1)  # index_select of whole rows: a plain copy
     for j in range(L):  # depth loop only: rows and children are vectorised
-        live = (~done).tolist()
-        if not any(live):
+        live = (~done).nonzero().flatten()
+        if live.numel() == 0:
             break
+        p_live = flat.index_select(0, live * probs.shape[1] + node.index_select(0, live))
         x = torch.zeros(B, dtype=torch.long, device=device)
-        x[~done] = sample(probs[rows, node][~done], [g for g, a in zip(generators, live) if a])
+        x.index_copy_(0, live, sample(p_live, [generators[i] for i in live.tolist()]))
         if j == L - 1:  # below the deepest drafts: x is the next token
             next_token = torch.where(done, next_token, x)
             break
