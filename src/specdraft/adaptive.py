@@ -212,11 +212,9 @@ class AdaptivePolicy:
         self.pool_hits = self.pool_trials = 0.0  # decayed depth-1 evidence of every request (POOL_DECAY)
 
     def new_row(self, drafter, params=None) -> RowStats:
-        """Stats for a new request. A seeded sampling request keeps the drafter's fixed
-        shape where its drafts may be sampled: how deep they are verified changes its text,
-        so adapting (to the batch, to timings) would make a seed's output depend on them.
-        Greedy output never does, nor a seeded row's with deterministic drafts (it draws
-        one token per token it gains, whatever the shape).
+        """Stats for a new request. A seeded request keeps the fixed shape if its drafts
+        may be sampled: how deep they are verified changes its text (deterministic drafts
+        never do, docs/engine.md), so adapting would tie a seed's output to timings.
         Depth 1's prior: the pooled evidence of the requests so far (``POOL_DECAY``)."""
         base = self.prior if self.prior is not None else getattr(drafter, "acceptance_prior", 0.5)
         base = min(max(float(base), 0.0), 1.0)
