@@ -144,15 +144,13 @@ def test_resuming_with_other_settings_is_refused(tiny_target_path, tmp_path, cap
     assert distill(tiny_target_path, data, tmp_path / "x.jsonl", "--temperatures", "0,-1") == 2
 
 
-def test_length_sorted_batches_cover_every_item_once_shortest_first():
-    """distill's batches: every item once, each batch's prompts no longer than the next's."""
-    from specdraft.distill import Prompt, WorkItem, length_sorted_batches
+def test_length_order_covers_every_item_once_shortest_first():
+    """distill's order within a window: every item once, shortest prompts first, ties in item order."""
+    from specdraft.distill import Prompt, WorkItem, length_order
 
     lengths = [7, 3, 9, 3, 1, 12, 5]
     items = [WorkItem(prompt=Prompt(id=str(i), messages=[], ids=[0] * n), temperature=0.0, seed=i)
              for i, n in enumerate(lengths)]
-    batches = length_sorted_batches(items, 3)
-    assert [len(b) for b in batches] == [3, 3, 1]
-    assert sorted(i for b in batches for i in b) == list(range(len(items)))
-    flat = [lengths[i] for b in batches for i in b]
-    assert flat == sorted(lengths) and batches[0][1:] == [1, 3]  # ties keep item order
+    order = length_order(items)
+    assert sorted(order) == list(range(len(items)))
+    assert [lengths[i] for i in order] == sorted(lengths) and order[:3] == [4, 1, 3]  # ties keep item order

@@ -121,6 +121,32 @@ def test_admit_into_an_empty_batch(tiny_target):
     assert out == reference(tiny_target, [PROMPTS[1]], params)[0]
 
 
+@pytest.mark.parametrize("max_rows", [1, 3, 8])
+def test_run_continuous_gives_every_prompt_its_own_text(tiny_target, max_rows):
+    """Continuous batching over a list: never more than ``max_rows`` rows in a step, rows
+    joining as others finish (ragged limits, one done at prefill), each prompt's text as
+    decoded alone, one result per prompt."""
+    prompts = PROMPTS + [[9, 8, 7], [4, 4], [6, 5, 4, 3, 2, 1]]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (5, 17, 1, 30, 9, 12, 3)]
+    want = [reference(tiny_target, [p], q)[0] for p, q in zip(prompts, params)]
+    engine = SpeculativeEngine(tiny_target, LookupDrafter(2, 4), max_tree_tokens=None)
+    widest, step = 0, engine.step
+
+    def counting_step(batch):
+        nonlocal widest
+        widest = max(widest, len(batch.rows))
+        return step(batch)
+
+    engine.step = counting_step
+    results = {}
+    for e in engine.run_continuous(prompts, params, max_rows):
+        if e.result is not None:
+            assert e.request_id not in results
+            results[e.request_id] = e.result.token_ids
+    assert [results[i] for i in range(len(prompts))] == want
+    assert 0 < widest <= max_rows
+
+
 def test_context_limit_ends_generation(tiny_target):
     ctx = tiny_target.max_context
     prompt = [3, 4, 5, 6] * ((ctx - 6) // 4)

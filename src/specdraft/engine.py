@@ -108,6 +108,27 @@ class SpeculativeEngine:
         while batch.rows:
             yield from self.step(batch)
 
+    def run_continuous(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                       max_rows: int) -> Iterator[StepEvent]:
+        """Continuous batching over a known list (e.g. a distillation set): at most ``max_rows``
+        rows decode together; between steps the next prompts, in list order, join as soon as
+        a quarter of ``max_rows`` is free (or all that is left fits). Event ids are indices
+        into ``prompts``. Joining in groups amortises a prefill and a cache copy; give the
+        prompts sorted by length so that the rows in flight have similar widths."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        group = max(1, max_rows // 4)
+        batch, events = self.start(prompts[:max_rows], params_list[:max_rows])
+        yield from events
+        queued = min(max_rows, len(prompts))
+        while batch.rows or queued < len(prompts):
+            free = min(max_rows - len(batch.rows), len(prompts) - queued)
+            if free >= group or (free and queued + free == len(prompts)) or not batch.rows:
+                ids = list(range(queued, queued + free))
+                queued += free
+                yield from self.admit(batch, [prompts[i] for i in ids], [params_list[i] for i in ids], ids)
+            if batch.rows:
+                yield from self.step(batch)
+
     def start(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
               ids: list[int] | None = None) -> tuple[Batch, list[StepEvent]]:
         """Prefill ``prompts`` into a new batch; events carry ``ids`` (default 0..n-1)."""
