@@ -33,8 +33,8 @@ def add_distill(subparsers) -> None:
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="(default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, metavar="S",
                    help="sample i (prompt-major, then temperature) uses seed S+i (default: %(default)s)")
-    g.add_argument("--batch-size", type=int, default=48, metavar="B",
-                   help="rows decoded together; plain decoding by default (--drafter none) (default: %(default)s)")
+    g.add_argument("--batch-size", type=int, default=96, metavar="B",
+                   help="rows in flight (continuous batching); plain decoding by default (--drafter none) (default: %(default)s)")
     g.add_argument("--max-prompt-tokens", type=int, default=1024, metavar="N",
                    help="skip longer prompts (default: %(default)s)")
     g = p.add_argument_group("next-k")
