@@ -186,17 +186,19 @@ def test_sampling_runs_and_is_reproducible(tiny_target):
     first = generate_ids(tiny_target, drafter, PROMPTS, **kw)
     assert first == generate_ids(tiny_target, drafter, PROMPTS, **kw)
     assert all(0 <= t < tiny_target.vocab_size for ids in first for t in ids)
-    wide = ReDrafter(make_head(tiny_target), beam_width=tiny_target.vocab_size + 5, beam_length=2)
+    wide = ReDrafter(make_head(tiny_target), beam_width=tiny_target.vocab_size + 5, beam_length=2, sample_drafts=False)
     assert len(generate_ids(tiny_target, wide, PROMPTS, **kw)) == 3  # invalid slots under sampling
 
 
-def test_sampled_chain_draws_from_q_and_keeps_greedy_rows_on_the_argmax(tiny_target):
-    """W = 1 with sampling rows: the proposal carries q (a distribution per depth); a greedy
-    row of the same batch drafts exactly the beam search's tokens; the same seeds draw the
-    same chain in a new batch (the generators start again with each batch)."""
+@pytest.mark.parametrize("beam_width", [1, 2])
+def test_sampled_chain_draws_from_q_and_keeps_greedy_rows_on_the_argmax(tiny_target, beam_width):
+    """Sampling rows, at any W: the proposal is one chain per row carrying q (a distribution
+    per depth); a greedy row of the same batch drafts exactly the beam search of one's
+    tokens; the same seeds draw the same chain in a new batch (the generators start again
+    with each batch); a batch of greedy rows only gets the W beams."""
     from specdraft.drafters.base import DraftContext
 
-    drafter = ReDrafter(make_head(tiny_target), beam_width=1, beam_length=4)
+    drafter = ReDrafter(make_head(tiny_target), beam_width=beam_width, beam_length=4)
     B, d = 3, tiny_target.model.config.hidden_size
     torch.manual_seed(1)
     params = [SamplingParams(temperature=1.0, seed=3), SamplingParams(), SamplingParams(temperature=0.7, seed=4)]
@@ -213,6 +215,11 @@ def test_sampled_chain_draws_from_q_and_keeps_greedy_rows_on_the_argmax(tiny_tar
     assert torch.equal(first.beams[1], beams.beams[1])  # the greedy row: the argmax chain
     drafter.start(ctx)
     assert torch.equal(drafter.propose(ctx).beams, first.beams)
+    one = ReDrafter(drafter.head, beam_width=1, beam_length=4)
+    one.start(ctx)
+    assert torch.equal(one.propose(ctx).beams, first.beams)  # W does not matter to sampled chains
+    all_greedy = drafter.propose(replace(ctx, greedy=torch.ones(B, dtype=torch.bool)))
+    assert all_greedy.q is None and all_greedy.beams.shape == (B, beam_width, 4)
 
 
 def test_h_is_the_state_that_chose_g0(tiny_target):

@@ -200,10 +200,10 @@ def test_speculative_sampling_matches_exact_law(target, case):
 
 
 @pytest.mark.parametrize("draft_vocab", [None, [0, 2, 3, 5]], ids=["full-vocab", "draft-vocab-4-of-6"])
-@pytest.mark.parametrize("beam_width", [3, 1], ids=["beams", "sampled-chain"])
-def test_redrafter_beam_search_sampling_matches_exact_law(target, draft_vocab, beam_width):
+@pytest.mark.parametrize("sample_drafts", [False, True], ids=["beams", "sampled-chain"])
+def test_redrafter_beam_search_sampling_matches_exact_law(target, draft_vocab, sample_drafts):
     """A ReDrafter head's beam search (random weights: a fixed, history-dependent proposal
-    over this 6-token vocabulary, often right) verified by recursive rejection, and at W = 1
+    over this 6-token vocabulary, often right; W = 3) verified by recursive rejection, and
     its sampled chain (drafts drawn from the head's q, speculative sampling); also with a
     draft vocabulary that leaves out tokens the target samples (1 and 4): the law must not
     change, only how often drafts are accepted."""
@@ -215,9 +215,9 @@ def test_redrafter_beam_search_sampling_matches_exact_law(target, draft_vocab, b
         vocab = DraftVocab(len(draft_vocab), int(target.vocab_size))
         vocab.set_ids(torch.tensor(draft_vocab))
     head = ReDrafterHead.for_target(target, head="own", draft_vocab=vocab).eval().requires_grad_(False)
-    res, steps = sample_case(target, lambda t: ReDrafter(head, beam_width=beam_width, beam_length=4),
+    res, steps = sample_case(target, lambda t: ReDrafter(head, beam_width=3, beam_length=4, sample_drafts=sample_drafts),
                              SamplingParams(**T1), N_ROWS)
-    print(f"redrafter W={beam_width} T=1 top-p: {res} steps/row={steps:.2f}")
+    print(f"redrafter sample_drafts={sample_drafts} T=1 top-p: {res} steps/row={steps:.2f}")
     assert res.p_value > ALPHA, str(res)
     assert steps < K, "drafts were never accepted: the case tests nothing"
 

@@ -7,13 +7,16 @@ deterministic (no q): under sampling the engine's recursive rejection keeps the 
 distributed exactly as the target's. A head with context attention reads each row's latest
 target states from the engine (``ctx.recent``) and replaces h by a_t before the search.
 
-Sampled chains (W = 1, ``sample_drafts``): for rows that sample, a beam of one is a poor
-proposal, accepted with probability p(x) for its single token x, where a token *drawn* from
-the head's own distribution q (at the row's temperature / top-k / top-p) is accepted with
+Sampled chains (``sample_drafts``, at any W): for rows that sample, a beam is a poor
+proposal, accepted with probability p(x) for its token x, where a token *drawn* from the
+head's own distribution q (at the row's temperature / top-k / top-p) is accepted with
 probability sum_x min(p(x), q(x)) (speculative sampling; the engine's chain acceptance,
-exact for any q). Such rows walk the recurrence drawing y_j ~ q_j and report q; greedy rows
-of the same batch take the argmax, as the beam search of one would. The only state kept
-between steps is each sampling request's generator.
+exact for any q). So whenever a batch holds a sampling row, every row gets one chain of L
+tokens: sampling rows walk the recurrence drawing y_j ~ q_j and report q; greedy rows take
+the argmax, as a beam search of one would. A batch of greedy rows only gets the W beams
+(W = 2 beams of 3 tokens against one chain: greedy τ 1.83 against 1.64 on MT-Bench, bf16;
+at T = 1 2 x 3 beams gave τ 1.33, a sampled chain of 3 1.51). The only state kept between
+steps is each sampling request's generator.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ class ReDrafter(Drafter):
         self.generators = {}  # a new batch: its request ids start again
 
     def may_sample_drafts(self) -> bool:
-        return self.sample_drafts and self.W == 1 and self.L > 1
+        return self.sample_drafts and self.L > 1
 
     def samples_drafts(self, ctx: DraftContext) -> bool:
         return self.may_sample_drafts() and int(ctx.budget.max()) > 1 and not bool(ctx.greedy.all())
