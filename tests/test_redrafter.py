@@ -428,3 +428,35 @@ def test_shipped_drafter_is_only_for_the_default_target(tiny_target):
     with pytest.raises(SpecdraftError) as err:  # shipped, but made for SmolLM2, not this target
         build_drafter("redrafter:default", tiny_target)
     assert "\n" not in str(err.value)
+
+
+def test_fit_shape_widens_a_default_chain_only_where_the_second_beam_is_nearly_free(tiny_target):
+    """Under adaptive drafting a checkpoint's one beam becomes two where the cost model says a
+    tree of 2L - 1 tokens costs at most WIDE_COST x a chain of L; steeper curves, a width the
+    user gave, and a combination's parts each keep what they have."""
+    from specdraft.adaptive import AdaptivePolicy
+    from specdraft.costmodel import CostModel
+    from specdraft.drafters import LookupDrafter
+    from specdraft.drafters.combined import CombinedDrafter
+    from specdraft.drafters.redrafter import WIDE_COST
+
+    flat = CostModel(tokens=[1, 3, 5, 8], seconds=[1.0, 1.0, 1.05, 1.1])
+    steep = CostModel(tokens=[1, 3, 5, 8], seconds=[1.0, 1.0, 1.0 + 1.01 * (WIDE_COST - 1), 2.0])
+    head = make_head(tiny_target)
+    head.config.beam_width = 1
+
+    def width(cost, **shape):
+        drafter = ReDrafter(head, beam_length=3, **shape)
+        drafter.fit_shape(cost)
+        return drafter.W
+
+    assert width(flat) == 2 and width(steep) == 1
+    assert width(flat, beam_width=1) == 1  # the user's width
+    assert ReDrafter(head, beam_width=1, beam_length=1).L == 1  # nothing drafted: nothing to widen
+    part = ReDrafter(head, beam_length=3)
+    SpeculativeEngine(tiny_target, CombinedDrafter([LookupDrafter(1, 3), part]), policy=AdaptivePolicy(flat))
+    assert part.W == 2  # the engine fits the shape when a policy is given, through a combination
+    fixed = ReDrafter(head, beam_length=3)
+    SpeculativeEngine(tiny_target, fixed)
+    assert fixed.W == 1  # fixed shapes stay as they are
+    NoDrafter().fit_shape(flat)  # the default: nothing

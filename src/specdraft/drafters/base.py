@@ -112,6 +112,11 @@ class Drafter(ABC):
         decoding's), so only then must the adaptive policy keep its shape fixed."""
         return False
 
+    def fit_shape(self, cost) -> None:
+        """Adaptive drafting is on, over ``cost`` (the target's ``costmodel.CostModel`` on
+        this machine): a drafter may widen the default shape it proposes from, since the
+        policy only verifies what pays. A shape the user gave is kept. Default: nothing."""
+
     def propose_deterministic(self, ctx: DraftContext) -> Proposal:
         """Candidates that are a fixed function of the history (no ``q``), for drafters
         that can give them even where ``propose`` would sample (a combination's parts:

@@ -56,6 +56,10 @@ class CombinedDrafter(Drafter):
     def samples_drafts(self, ctx: DraftContext) -> bool:
         return self._sampler(ctx) is not None
 
+    def fit_shape(self, cost) -> None:
+        for p in self.parts:
+            p.fit_shape(cost)
+
     def may_sample_drafts(self) -> bool:
         return any(p.may_sample_drafts() for p in self.parts)
 
