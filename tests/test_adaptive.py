@@ -81,6 +81,32 @@ def test_plan_known_cases():
     assert policy(LINEAR).plan([stats_with([0.9] * 8)], torch.tensor([1]), 0) == 0  # no room left
 
 
+def test_a_plain_step_is_taken_after_many_tree_steps_at_a_batch_size():
+    """A policy that drafts on every step never sees a plain step, so a cost curve whose tree /
+    plain relation is wrong would stand: after PLAIN_FIRST (then PLAIN_EVERY) tree steps at a
+    batch size without a plain one the plan is a plain step, then drafting resumes; other
+    batch sizes are not due."""
+    from specdraft.steptime import PLAIN_EVERY, PLAIN_FIRST
+
+    policy, budget = AdaptivePolicy(LINEAR), torch.tensor([9, 9, 9, 9])
+    rows = [stats_with([0.9] * 8) for _ in range(4)]
+    for _ in range(2):  # until a plain step is recorded (the first is skipped): every PLAIN_FIRST
+        for _ in range(PLAIN_FIRST):
+            assert policy.plan(rows, budget, 0) > 0
+            policy.observe_step(True, 4, 12, 0, 0.1)
+        assert policy.plan(rows, budget, 0) == 0
+        policy.observe_step(False, 4, 4, 0, 0.05)
+    assert (False, 4) in policy.step_ratio.relation
+    for _ in range(PLAIN_EVERY - 1):
+        policy.observe_step(True, 4, 12, 0, 0.1)
+    assert policy.plan(rows, budget, 0) > 0 and not policy.step_ratio.plain_due(4)
+    policy.observe_step(True, 4, 12, 0, 0.1)
+    assert policy.step_ratio.plain_due(4) and not policy.step_ratio.plain_due(16)
+    assert policy.plan(rows, budget, 0) == 0  # rates that would draft deep: plain anyway, once
+    policy.observe_step(False, 4, 4, 0, 0.05)
+    assert policy.plan(rows, budget, 0) > 0
+
+
 def test_best_size_ties_pick_the_cheaper_size():
     assert best_size([[0.0, 0.0, 0.0]], [2], lambda n: 1.0) == 0
 

@@ -273,7 +273,7 @@ class AdaptivePolicy:
         depth = max(counts, default=0)
         if any(s.fixed for s in stats):  # never off: a fixed row's verification must not change
             return max(depth, 1)
-        if depth == 0:
+        if depth == 0 or self.step_ratio.plain_due(len(stats)):  # steptime.PLAIN_EVERY
             return 0
         # A row's expected gain counts only calls that draft for it (a lookup's rows without
         # a match add nothing but still pad the tree): the rates are given an offer.

@@ -46,6 +46,13 @@ RATIO_RANGE = (0.01, 100.0)  # a reading outside is clamped: one wild reading ca
 # One reading moves the estimate by at most this factor before weighting: a stall (another
 # process, a page fault) of one step must not outweigh the next twenty normal ones.
 MAX_JUMP = 2.0
+# A plain step is taken after this many tree steps at a batch size without one: a policy that
+# drafts on every step never sees the plain kind, so a curve whose tree / plain relation is
+# wrong (a cost model measured beside another job: a 16 x 2 tree 1.09x a plain step, really
+# 1.54x) would stand for good. One plain step in 64 costs at most 1/64 of drafting's gain;
+# until a plain step has been recorded at a batch size (the first of a kind never is), one
+# in 16, so that a 100-step batch is corrected in its first half.
+PLAIN_EVERY, PLAIN_FIRST = 64, 16
 
 
 class StepCostRatio:
@@ -74,6 +81,7 @@ class StepCostRatio:
         self.level: dict[int, float] = {}  # b -> log level
         self.relation: dict[tuple[bool, int], float] = {}  # (tree, b) -> log relation
         self.skipped: set[bool] = set()
+        self.since_plain: dict[int, int] = {}  # b -> tree readings since the last plain one
 
     @staticmethod
     def bucket(rows: int) -> int:
@@ -85,11 +93,18 @@ class StepCostRatio:
         """Every seen (tree, b) -> its current ratio."""
         return {key: math.exp(self.level[key[1]] + rel) for key, rel in self.relation.items()}
 
+    def plain_due(self, rows: int) -> bool:
+        """Whether the batch size of ``rows`` has gone PLAIN_EVERY tree steps without a plain
+        one (PLAIN_FIRST while no plain step is recorded there)."""
+        b = self.bucket(rows)
+        return self.since_plain.get(b, 0) >= (PLAIN_EVERY if (False, b) in self.relation else PLAIN_FIRST)
+
     def record(self, tree: bool, rows: int, measured: float, modelled: float) -> None:
+        b, key = self.bucket(rows), (tree, self.bucket(rows))
+        self.since_plain[b] = self.since_plain.get(b, 0) + 1 if tree else 0
         if tree not in self.skipped:
             self.skipped.add(tree)
             return
-        b, key = self.bucket(rows), (tree, self.bucket(rows))
         reading = math.log(min(max(measured / max(modelled, 1e-12), RATIO_RANGE[0]), RATIO_RANGE[1]))
         if key not in self.relation:  # a first reading is taken as it is
             self.level.setdefault(b, reading)
