@@ -117,6 +117,8 @@ class SpeculativeEngine:
         a quarter of ``max_rows`` is free (or all that is left fits). Event ids are indices
         into ``prompts``. Joining in groups amortises a prefill and a cache copy; give the
         prompts sorted by length so that the rows in flight have similar widths."""
+        if not prompts:
+            return
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         group = max(1, max_rows // 4)
         batch, events = self.start(prompts[:max_rows], params_list[:max_rows])
