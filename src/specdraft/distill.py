@@ -24,8 +24,9 @@ tokens only. Cost ≈ (1 + K·P/T) forward passes over the conversation, P = pos
 Both modes are resumable: records are appended (and flushed) in a fixed order, batch by
 batch (responses: window by window, ``WINDOW_BATCHES`` batches' worth of length-sorted
 prompts decoded by continuous batching); rerunning the same command skips the keys
-already in the file, and an incomplete last line left by a crash is discarded. Settings that change what a record means
-(target, max_new_tokens, top_p, top_k, K, seq_len) must match the file's.
+already in the file, and an incomplete last line left by a crash is discarded. Settings
+that change what a record means (target, max_new_tokens, top_p, top_k, K, seq_len) must
+match the file's.
 """
 
 from __future__ import annotations
