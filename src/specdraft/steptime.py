@@ -100,7 +100,8 @@ class StepCostRatio:
         return self.since_plain.get(b, 0) >= (PLAIN_EVERY if (False, b) in self.relation else PLAIN_FIRST)
 
     def record(self, tree: bool, rows: int, measured: float, modelled: float) -> None:
-        b, key = self.bucket(rows), (tree, self.bucket(rows))
+        b = self.bucket(rows)
+        key = (tree, b)
         self.since_plain[b] = self.since_plain.get(b, 0) + 1 if tree else 0
         if tree not in self.skipped:
             self.skipped.add(tree)

@@ -33,11 +33,12 @@ def say(message: str) -> None:
     print(f"specdraft: {message}", file=sys.stderr, flush=True)
 
 
-# Rows per batch of the target's answers, decoded plainly (``NoDrafter``). SmolLM2 bf16 on this
-# Xeon, 80 MT-Bench prompts, 256 tokens, two interleaved runs: batch 48 275 / 233 new tokens/s,
-# batch 32 211 / 211, batch 32 with prompt lookup 210 / 174 (at these batch sizes a verify
-# forward costs about its tokens, so drafts no longer pay).
-ANSWER_BATCH = 96  # rows in flight (continuous batching): 273 new tokens/s against 247 at 48 (distill.py)
+# Rows in flight (continuous batching, distill.py) for the target's answers, decoded plainly
+# (``NoDrafter``: at these batch sizes a verify forward costs about its tokens, so drafts no
+# longer pay; batch 32 with prompt lookup 210 / 174 new tokens/s against 211 / 211 plain).
+# SmolLM2 bf16 on this Xeon, 144 ShareGPT prompts, 256 tokens: 96 rows 273 new tokens/s,
+# 48 rows 247, static batches of 48 224.
+ANSWER_BATCH = 96
 
 
 def heldout_answers(config, target, path: Path) -> None:
