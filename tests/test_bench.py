@@ -10,6 +10,7 @@ that a run that fails midway keeps the rows that finished.
 from __future__ import annotations
 
 import json
+import time
 import shutil
 import statistics
 from pathlib import Path
@@ -471,6 +472,40 @@ def test_interleave_runs_every_methods_batch_i_before_any_batch_i_plus_1(tiny_ta
     for r in runs:
         assert r["status"] == "ok" and len(r["seconds_repeats"]) == 2 and r["memory_peak_is_per_row"] is False
     assert len({r["new_tokens"] for r in runs}) == 1  # greedy: every method writes the same tokens
+
+
+def test_lockstep_advances_our_methods_a_step_each_in_turn_and_times_each_alone(tiny_target_path, prompts_file,
+                                                                                tmp_path, monkeypatch):
+    from specdraft.bench import methods
+    from specdraft.engine import SpeculativeEngine
+
+    steps, real_advance, real_step = [], methods.Stepping.advance, SpeculativeEngine.step
+
+    def logged_advance(self):
+        steps.append(self.method.spec)
+        real_advance(self)
+
+    def slow_step(self, batch):  # every step of `none` takes 50 ms longer: only its own time may grow
+        if self.drafter.__class__.__name__ == "NoDrafter":
+            time.sleep(0.05)
+        return real_step(self, batch)
+
+    monkeypatch.setattr(methods.Stepping, "advance", logged_advance)
+    monkeypatch.setattr(SpeculativeEngine, "step", slow_step)
+    rc = cli("bench", "--target", tiny_target_path, "--no-chat", "--dataset", prompts_file, "--drafters",
+             "none,lookup@1x3/fixed", "--max-new-tokens", 6, "--batch-sizes", 3, "--lockstep",
+             "--no-warmup", "--no-progress", "--out", tmp_path / "out")
+    assert rc == 0
+    # one batch of 3 prompts: while both run, every round is one step of each, the order rotating
+    both = 2 * min(steps.count("none"), steps.count("lookup@1x3/fixed"))
+    rounds = [steps[i:i + 2] for i in range(0, both, 2)]
+    assert len(rounds) >= 2 and all(sorted(r) == ["lookup@1x3/fixed", "none"] for r in rounds)
+    assert rounds[0] != rounds[1]
+    runs = {r["drafter"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())["runs"]}
+    none_steps = steps.count("none")
+    assert runs["none"]["seconds_repeats"][0] >= 0.05 * none_steps
+    assert runs["lookup@1x3/fixed"]["seconds_repeats"][0] < 0.05 * none_steps  # the other's sleeps not counted
+    assert runs["none"]["per_prompt"][0]["token_ids"] == runs["lookup@1x3/fixed"]["per_prompt"][0]["token_ids"]
 
 
 def test_server_bench_script_pairs_each_round_with_plain_decoding(tmp_path):

@@ -84,20 +84,14 @@ class EngineMethod(Method):
         super().__init__(spec=spec, kind="engine", info=info)
 
     def generate(self, prompts, params) -> BatchOutcome:
-        device = self.engine.target.device
-        synchronize(device)
-        start = time.perf_counter()
-        results = self.engine.generate(prompts, params)
-        synchronize(device)
-        wall = time.perf_counter() - start
-        for r in results:
-            self.depths.update(r.drafted_hist)
-            self.off_steps += r.off_steps
-        outcomes = [PromptOutcome(token_ids=r.token_ids, text=r.text, seconds=r.seconds,
-                                  finish_reason=r.finish_reason, steps=r.steps, hist=dict(r.accepted_hist))
-                    for r in results]
-        return BatchOutcome(seconds=wall, prompts=outcomes,
-                            stages=batch_stages([r.stage_seconds for r in results], wall))
+        stepping = self.begin(prompts, params)
+        while not stepping.done:
+            stepping.advance()
+        return stepping.outcome()
+
+    def begin(self, prompts, params) -> "Stepping":
+        """The batch prefilled (timed), to be decoded a step at a time (``Stepping``)."""
+        return Stepping(self, prompts, params)
 
     def reset_drafting(self) -> None:
         self.depths.clear()
@@ -108,3 +102,56 @@ class EngineMethod(Method):
         return {"adaptive": self.engine.policy is not None, "off_steps": self.off_steps,
                 "decode_steps": sum(self.depths.values()),
                 "depths": {str(k): v for k, v in sorted(self.depths.items())}}
+
+
+class Stepping:
+    """One batch of an ``EngineMethod`` decoded a step at a time, each step timed on its own.
+
+    ``--lockstep`` advances the batches of several methods in turn, one step each, so that
+    a machine whose speed swings within seconds (a shared VM: a 2-3x swing in matmul speed
+    within seconds was seen on the bench machine) slows every method alike; ``seconds`` and
+    each request's seconds count this batch's own prefill and steps only, never another
+    method's. Alone (``EngineMethod.generate``) it is the engine's plain loop (``run``)."""
+
+    def __init__(self, method: EngineMethod, prompts, params):
+        self.method, self.device = method, method.engine.target.device
+        self.results: list = [None] * len(prompts)
+        self.seconds = 0.0
+        self.finished_at = [0.0] * len(prompts)  # own seconds when each request finished
+        self.batch = None
+        self._timed(lambda: self._begin(prompts, params))
+
+    def _begin(self, prompts, params):
+        self.batch, events = self.method.engine.start(prompts, params)
+        self.batch.static = True  # nothing joins, as in SpeculativeEngine.run
+        return events
+
+    @property
+    def done(self) -> bool:
+        return not self.batch.rows
+
+    def advance(self) -> None:
+        """One decode step of every row still running."""
+        self._timed(lambda: self.method.engine.step(self.batch))
+
+    def _timed(self, work) -> None:
+        synchronize(self.device)
+        start = time.perf_counter()
+        events = work()
+        synchronize(self.device)
+        self.seconds += time.perf_counter() - start
+        for event in events:
+            if event.result is not None:
+                self.results[event.request_id] = event.result
+                self.finished_at[event.request_id] = self.seconds
+
+    def outcome(self) -> BatchOutcome:
+        """The finished batch's outcome (every request done)."""
+        for r in self.results:
+            self.method.depths.update(r.drafted_hist)
+            self.method.off_steps += r.off_steps
+        outcomes = [PromptOutcome(token_ids=r.token_ids, text=r.text, seconds=own,
+                                  finish_reason=r.finish_reason, steps=r.steps, hist=dict(r.accepted_hist))
+                    for r, own in zip(self.results, self.finished_at)]
+        return BatchOutcome(seconds=self.seconds, prompts=outcomes,
+                            stages=batch_stages([r.stage_seconds for r in self.results], self.seconds))

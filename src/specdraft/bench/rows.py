@@ -1,7 +1,8 @@
 """One bench row in the making: all prompts x repeats of one method in one setting
 (dataset, temperature, batch size), measured batch by batch (``RowMeasure``), and the
 figures derived from its raw numbers. The runner decides the order of the batches: a row
-at a time, or (``--interleave``) the batches of every method in turn."""
+at a time, or (``--interleave``) the batches of every method in turn, or (``--lockstep``)
+their decode steps in turn."""
 
 from __future__ import annotations
 
@@ -36,8 +37,21 @@ class RowMeasure:
             method.reset_drafting()
 
     def batch(self, start: int) -> None:
+        """Run batch ``start`` whole and record it."""
         end = start + self.batch_size
-        out = self.method.generate(self.prompts[start:end], self.params[start:end])
+        self.record(start, self.method.generate(self.prompts[start:end], self.params[start:end]))
+
+    def begin(self, start: int):
+        """Batch ``start`` prefilled, to be decoded a step at a time (``methods.Stepping``,
+        then ``record``); None for a method that cannot step (transformers' peers)."""
+        if not hasattr(self.method, "begin"):
+            return None
+        end = start + self.batch_size
+        return self.method.begin(self.prompts[start:end], self.params[start:end])
+
+    def record(self, start: int, out) -> None:
+        """Add batch ``start``'s outcome to the current repeat."""
+        end = start + self.batch_size
         self._sec += out.seconds
         self._tok += record_batch(self.per_prompt[start:end], out.prompts)
         if out.stages is not None:

@@ -3,7 +3,8 @@
 Loop order: method -> dataset -> temperature -> batch size, with our plain decoding
 (``none``) always measured first and ``hf-ar`` next, so that every later row has both
 references; or, with ``interleave``, setting -> repeat -> batch -> method (every method's
-batch i before any method's batch i + 1). A row (``rows.RowMeasure``) is all prompts x all
+batch i before any method's batch i + 1; with ``lockstep`` their decode steps in turn
+within batch i). A row (``rows.RowMeasure``) is all prompts x all
 repeats of one method in one setting;
 results.json is rewritten (atomically) as soon as a row finishes, and ``--resume``
 skips rows that are already there.
@@ -66,6 +67,7 @@ class BenchConfig:
     command: str = ""
     adaptive: str = "on"  # on | off (fixed shapes) | refresh (re-measure the cost model first)
     interleave: bool = False  # every method loaded at once, their batches in turn (see Bench.run_interleaved)
+    lockstep: bool = False  # interleave, and our methods' batches advance a decode step each in turn
     compile_target: bool = False  # our methods run the target's decoder stack compiled (peers: eager)
 
     def resolved_dtype(self) -> str:
@@ -174,7 +176,7 @@ class Bench:
         Methods are the outer loop: each is loaded once, measured in every setting, and
         released before the next, so its peak memory holds only the target and itself.
         With ``interleave`` every method is loaded at once and settings are the outer loop."""
-        if self.cfg.interleave:
+        if self.cfg.interleave or self.cfg.lockstep:
             return self.run_interleaved()
         cfg = self.cfg
         for name in cfg.method_order():
@@ -219,9 +221,13 @@ class Bench:
                               cfg.progress) as bar:
                 for _ in range(cfg.repeats):
                     for i, start in enumerate(starts):
-                        for row in measured[i % len(measured):] + measured[:i % len(measured)]:
-                            row.batch(start)
-                            bar.update(1)
+                        order = measured[i % len(measured):] + measured[:i % len(measured)]
+                        if cfg.lockstep:
+                            run_lockstep(order, start)
+                        else:
+                            for row in order:
+                                row.batch(start)
+                        bar.update(len(order))
                     for row in rows.values():
                         row.end_repeat()
             memory = self.memory.read()
@@ -304,6 +310,27 @@ class Bench:
         self.done.add(row_key(row))
         derive_speedups(self.results["runs"])
         write_json_atomic(Path(self.cfg.out) / RESULTS, self.results)
+
+def run_lockstep(rows: list[RowMeasure], start: int) -> None:
+    """Batch ``start`` of every row: transformers' peers whole (they cannot step), then our
+    methods' batches one decode step each in turn, the order rotating every round, so that
+    a swing of the machine's speed lands on every method's steps alike (``methods.Stepping``:
+    each batch counts its own steps' time only)."""
+    stepping = []
+    for row in rows:
+        batch = row.begin(start)
+        if batch is None:
+            row.batch(start)
+        else:
+            stepping.append((row, batch))
+    turn = 0
+    while alive := [batch for _, batch in stepping if not batch.done]:
+        for batch in alive[turn % len(alive):] + alive[:turn % len(alive)]:
+            batch.advance()
+        turn += 1
+    for row, batch in stepping:
+        row.record(start, batch.outcome())
+
 
 def derive_speedups(runs: list[dict]) -> None:
     """speedup_vs_ar / speedup_vs_hf_ar of every row: its median tokens/s over that of

@@ -74,6 +74,10 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                    help="load every method at once and run their batches in turn (batch i of each before batch "
                         "i + 1 of any), so that a machine whose speed drifts slows every method alike; peak "
                         "memory is then the whole process's")
+    g.add_argument("--lockstep", action="store_true",
+                   help="as --interleave, and within a batch our methods advance one decode step each in turn "
+                        "(each timing only its own steps), so that a machine whose speed swings within seconds "
+                        "(a shared VM) slows every method alike; transformers' peers still run whole batches")
     o = p.add_argument_group("output")
     o.add_argument("--out", required=True, type=Path, metavar="DIR", help="folder for results.json, report.md, plots")
     o.add_argument("--resume", action="store_true",
@@ -92,7 +96,8 @@ def base_config(args: argparse.Namespace, **extra):
         trust_remote_code=args.trust_remote_code, limit=args.limit, top_p=args.top_p, top_k=args.top_k,
         repeats=args.repeats, max_new_tokens=args.max_new_tokens, seed=args.seed, chat=args.chat,
         resume=args.resume, warmup=args.warmup, progress=args.progress, command=args.command_line,
-        interleave=args.interleave, compile_target=args.compile_target, **extra)
+        interleave=args.interleave, lockstep=args.lockstep,
+        compile_target=args.compile_target, **extra)
 
 
 def check_device(args: argparse.Namespace) -> None:
