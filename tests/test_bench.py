@@ -240,6 +240,19 @@ def test_verify_cost(tiny_target_path, tmp_path, random_weights):
     assert (tmp_path / "verify_cost.png").read_bytes().startswith(PNG_MAGIC)
 
 
+def test_paired_medians_keep_a_shapes_relation_through_a_swing_of_the_machine():
+    """A slow spell over rounds 3-5 of the one-token shape but only rounds 3-4 of the
+    two-token one: each shape's own median would put two tokens below one (2 < 3); within
+    each round two tokens cost 2x one, and that is what the paired estimate keeps."""
+    from specdraft.timing import paired_medians
+
+    times = {1: [1.0, 1.0, 3.0, 3.0, 3.0], 2: [2.0, 2.0, 6.0, 6.0, 2.0]}
+    assert statistics.median(times[2]) < statistics.median(times[1])
+    paired = paired_medians(times, 1)
+    assert paired[1] == pytest.approx(3.0)
+    assert paired[2] == pytest.approx(6.0)
+
+
 def test_verify_cost_rejects_a_prefix_beyond_the_context(tiny_target_path, tmp_path):
     with pytest.raises(SpecdraftError, match="context"):
         cli("bench", "--verify-cost", "--target", tiny_target_path, "--verify-prefix", 200, "--out", tmp_path)

@@ -36,7 +36,7 @@ COST_LONG_PREFIX = 640  # a second, shorter curve here gives the attention term
 COST_LONG_TOKENS = (1, 8, 32)
 BATCH_ROWS = (4, 16)  # batch sizes with their own curve (batch 1: the main curve)
 BATCH_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16)  # tokens per row measured at those batch sizes
-FORMAT = 2  # 2: with batch curves (a cached model of format 1 is measured again)
+FORMAT = 3  # 2: with batch curves; 3: paired within rounds (an older cached model is measured again)
 
 
 @dataclass
@@ -172,12 +172,12 @@ def measure_cost_model(target, tokens=COST_TOKENS, prefix: int = COST_PREFIX, tr
     room = target.max_context - prefix
     tokens = [t for t in tokens if t <= room] or [1]
     rows = measure_verify_cost(target, tokens, prefix, trials, warmup=1, progress=False)
-    model = CostModel([r["tree_tokens"] for r in rows], [r["ms_median"] / 1000 for r in rows], prefix,
+    model = CostModel([r["tree_tokens"] for r in rows], [r["ms_paired"] / 1000 for r in rows], prefix,
                       **measure_batches(target, prefix, trials))
     long_prefix = min(COST_LONG_PREFIX, target.max_context - max(COST_LONG_TOKENS) - 1)
     if long_prefix > 2 * prefix:
         far = measure_verify_cost(target, list(COST_LONG_TOKENS), long_prefix, trials, warmup=1, progress=False)
-        slopes = [(r["ms_median"] / 1000 - model(r["tree_tokens"])) / (r["tree_tokens"] * (long_prefix - prefix))
+        slopes = [(r["ms_paired"] / 1000 - model(r["tree_tokens"])) / (r["tree_tokens"] * (long_prefix - prefix))
                   for r in far]
         model.per_kv = max(0.0, sorted(slopes)[len(slopes) // 2])
     model.key = cost_model_key(target)
@@ -185,17 +185,19 @@ def measure_cost_model(target, tokens=COST_TOKENS, prefix: int = COST_PREFIX, tr
 
 
 def measure_batches(target, prefix: int, trials: int, rows=BATCH_ROWS, tokens=BATCH_TOKENS) -> dict:
-    """The batch curves: medians of ``trials`` forwards of B rows x N chain tokens, taken in
-    rounds over every (B, N) (``timing.time_in_rounds``)."""
-    import statistics
-
-    from .timing import prefill, time_in_rounds
+    """The batch curves: ``trials`` forwards of B rows x N chain tokens, taken in rounds over
+    every (B, N) (``timing.time_in_rounds``); per B, N tokens' time relative to one token's
+    in the same round (``timing.paired_medians``)."""
+    from .timing import paired_medians, prefill, time_in_rounds
 
     tokens = [n for n in tokens if prefix + n <= target.max_context]
     caches = {B: prefill(target, prefix, prefix + max(tokens) + 8, rows=B) for B in rows}
     times = time_in_rounds(target, {(B, n): (caches[B], n) for B in rows for n in tokens}, prefix, trials, 1)
-    return {"batch_tokens": tokens,
-            "batch": {B: [statistics.median(times[(B, n)]) for n in tokens] for B in rows}}
+    curves = {}
+    for B in rows:
+        paired = paired_medians({n: times[(B, n)] for n in tokens}, tokens[0])
+        curves[B] = [paired[n] for n in tokens]
+    return {"batch_tokens": tokens, "batch": curves}
 
 
 def load_cost_model(target, refresh: bool = False, measure=measure_cost_model) -> CostModel:

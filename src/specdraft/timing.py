@@ -81,6 +81,20 @@ def time_in_rounds(target: Target, shapes: dict, prefix: int, trials: int, warmu
     return times
 
 
+def paired_medians(times: dict, base) -> dict:
+    """key -> seconds for ``time_in_rounds``' output: the median of ``base``'s trials times,
+    per key, the median over rounds of its trial over ``base``'s trial of the same round.
+
+    Why not each key's own median: this machine's speed swings 2-3x within seconds (a
+    shared VM), spells long enough to cover several trials of one shape; a ratio within a
+    round sees one speed, so the curve's shape (what the adaptive policy weighs: a 16 x 2
+    tree against a 16 x 1 step) survives a swing that the level does not."""
+    import statistics
+
+    ref = statistics.median(times[base])
+    return {key: ref * statistics.median(t / b for t, b in zip(ts, times[base])) for key, ts in times.items()}
+
+
 def measure_verify_cost(target: Target, tokens: list[int], prefix: int = 256, trials: int = 10,
                         warmup: int = 2, progress: bool = True) -> list[dict]:
     """One row per N: median / min / max milliseconds and the ratio to N = 1."""
@@ -92,9 +106,10 @@ def measure_verify_cost(target: Target, tokens: list[int], prefix: int = 256, tr
     cache = prefill(target, prefix, prefix + max(tokens) + 8)
     sizes = sorted(set(tokens))
     times = time_in_rounds(target, {n: (cache, n) for n in sizes}, prefix, trials, warmup, progress)
+    paired = paired_medians(times, sizes[0])
     rows = []
     for n in sizes:
-        rows.append({"tree_tokens": n, "ms_median": 1000 * statistics.median(times[n]),
+        rows.append({"tree_tokens": n, "ms_median": 1000 * statistics.median(times[n]), "ms_paired": 1000 * paired[n],
                      "ms_min": 1000 * min(times[n]), "ms_max": 1000 * max(times[n]), "trials": trials})
     base = rows[0]["ms_median"] if rows[0]["tree_tokens"] == 1 else None
     for r in rows:
