@@ -16,13 +16,13 @@ import torch
 import test_sampling_exact as exact
 from drafters_for_tests import RandomBeamsDrafter
 from specdraft.adaptive import (EXPLORE_MIN, EXPLORE_SHARE, PROBE_START, LOOK_MAX_ROWS, LOOK_PAUSE, LOOK_SHARE, LOOK_TRIAL, SLACK, AdaptivePolicy,
-                                RowStats, best_size, children_confidence, finish_weights)
+                                RowStats, best_size, finish_weights)
 from specdraft.costmodel import CostModel, cost_model_key, cost_model_path, load_cost_model
 from specdraft.drafters import LookupDrafter, NoDrafter
 from specdraft.drafters.base import DraftContext, Drafter, Proposal
 from specdraft.engine import SpeculativeEngine
 from specdraft.sampling import SamplingParams
-from specdraft.tree import prefix_owner
+from specdraft.tree import children_confidence, prefix_owner
 from stats import g_test
 
 LINEAR = CostModel([1, 2, 4, 8, 16, 32, 64], [1.0 + 0.1 * (t - 1) for t in [1, 2, 4, 8, 16, 32, 64]])

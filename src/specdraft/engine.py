@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 
 from .acceptance import Acceptance, accept_chain_sampling, accept_greedy, accept_tree_sampling
-from .adaptive import AdaptivePolicy, children_confidence, finish_weights, slack
+from .adaptive import AdaptivePolicy, finish_weights, slack
 from .cache import CompactCache
 from .drafters.base import DraftContext, Drafter, Proposal
 from .errors import SpecdraftError
@@ -27,7 +27,7 @@ from .recent import RecentStates
 from .rows import STAGES, Batch, GenerationResult, Row, StageTimer, StepEvent  # noqa: F401 (STAGES: re-exported)
 from .sampling import SamplingParams, knobs, make_generator, sample, target_probs
 from .textstream import TextStream
-from .tree import TreeBatch, pack_beams
+from .tree import TreeBatch, children_confidence, pack_beams
 
 PREFILL_PADDING = 1.25  # a prefill group may run at most this many times its real tokens
 

@@ -122,3 +122,36 @@ def unpack_beams(tree: TreeBatch) -> torch.Tensor:
     """
     out = torch.gather(tree.tokens, 1, tree.unpack.flatten(1)).view_as(tree.unpack)
     return torch.where(tree.valid, out, torch.zeros_like(out))
+
+
+# ---- the owner geometry the adaptive policy reads ---------------------------------------
+
+
+def sibling_rank(owner: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """rank (B, W, L): how many distinct earlier siblings (same parent, smaller owner beam)
+    token (w, j) has; 0 at depth 0."""
+    B, W, L = owner.shape
+    parent = torch.nn.functional.pad(owner[:, :, :-1], (1, 0))  # owner of the token before
+    beam = torch.arange(W, device=owner.device)
+    owns = (owner == beam[None, :, None]) & valid
+    same = (parent[:, :, None, :] == parent[:, None, :, :]) & owns[:, None, :, :]  # (B, W_i, W_k, L)
+    earlier = beam[None, None, :, None] < owner[:, :, None, :]  # k before i's owner
+    return (same & earlier).sum(dim=2).float()
+
+
+def children_confidence(tree_owner: torch.Tensor, valid: torch.Tensor, confidence: torch.Tensor,
+                        beam: torch.Tensor) -> torch.Tensor:
+    """predicted (B, L): at depth j, the summed confidence (capped at 1) of the children of
+    the accepted beam's node at depth j - 1: the drafter's P(the path goes one deeper)."""
+    B, W, L = tree_owner.shape
+    if W == 1:  # a chain: the only child of the path's node at depth j - 1 is its token at j
+        return torch.where(valid[:, 0], confidence[:, 0].float(), 0.0).clamp(max=1.0)  # NaN stays NaN
+    rows = torch.arange(B, device=beam.device)
+    parent = torch.nn.functional.pad(tree_owner[:, :, :-1], (1, 0))
+    on_path = parent[rows, beam]  # (B, L): the accepted beam's parent owner at each depth
+    owns = (tree_owner == torch.arange(W, device=beam.device)[None, :, None]) & valid
+    children = owns & (parent == on_path[:, None, :])
+    conf = confidence.float()
+    total = torch.where(children, conf.nan_to_num(0.0), 0.0).sum(dim=1).clamp(max=1.0)
+    unknown = (children & torch.isnan(conf)).any(dim=1)
+    return torch.where(unknown, torch.nan, total)
