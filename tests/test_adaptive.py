@@ -9,6 +9,7 @@ import json
 import math
 from collections import Counter
 from functools import partial
+from itertools import accumulate
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch
 import test_sampling_exact as exact
 from drafters_for_tests import RandomBeamsDrafter
 from specdraft.adaptive import (EXPLORE_MIN, EXPLORE_SHARE, PROBE_START, LOOK_MAX_ROWS, LOOK_PAUSE, LOOK_SHARE, LOOK_TRIAL, SLACK, AdaptivePolicy,
-                                RowStats, best_size, finish_weights)
+                                RowStats, best_size, chain_gains, finish_weights)
 from specdraft.costmodel import CostModel, cost_model_key, cost_model_path, load_cost_model
 from specdraft.drafters import LookupDrafter, NoDrafter
 from specdraft.drafters.base import DraftContext, Drafter, Proposal
@@ -690,3 +691,29 @@ def test_probes_that_never_turn_drafting_on_cost_less_and_less():
         policy.probed_rows = B
         policy.judge_probe(2)
     assert policy.explore_share(B) > 1.5 * low
+
+
+def test_best_size_stops_early_without_changing_its_answer():
+    """The scan's early stop (no n beyond can beat the best) picks what a full scan picks,
+    on random concave-ish gains and non-decreasing step seconds; and it stops early."""
+    import random
+
+    rng = random.Random(0)
+    calls = []
+    for _ in range(300):
+        B, depth = rng.randint(1, 16), rng.randint(0, 12)
+        gains = [chain_gains([rng.random() for _ in range(depth)]) for _ in range(B)]
+        counts = [rng.randint(0, depth) for _ in range(B)]
+        weights = [rng.uniform(0.1, 2.0) for _ in range(B)]
+        steps = list(accumulate([1.0] + [rng.uniform(0.0, 0.5) for _ in range(depth + 1)]))
+
+        def seconds(n, steps=steps):
+            calls.append(n)
+            return steps[n]
+        full = max(range(max(counts, default=0) + 1),
+                   key=lambda n: ((B + sum(w * g[min(n, c)] for g, c, w in zip(gains, counts, weights))) / steps[n], -n))
+        assert best_size(gains, counts, seconds, weights) == full
+    stats = [stats_with([0.05] * 16) for _ in range(16)]
+    calls.clear()
+    assert best_size([chain_gains(s.rates(16)) for s in stats], [16] * 16, lambda n: calls.append(n) or 1.0 + 0.5 * n) == 0
+    assert max(calls) <= 2

@@ -154,14 +154,20 @@ def best_size(gains: list[list[float]], counts: list[int], seconds, weights: lis
     non-decreasing, k <= counts[b]); seconds(n): step time when the longest row verifies
     1 + n tokens; weights[b] (summing to B, default 1 each): what row b's tokens are worth
     (``finish_weights``). Ties: smallest n. Plain Python: B x (n + 1) <= 16 x 17 additions
-    cost less than the torch ops that would do them (each ~10 us on the host)."""
+    cost less than the torch ops that would do them (each ~10 us on the host). The scan
+    stops once even every row's whole gain over seconds(n) cannot beat the best (seconds
+    never falls with n): at 16 rows with drafting off it ends at n = 1, not 16."""
     B = len(gains)
     weights = weights or [1.0] * B
-    best, best_rate = 0, -1.0
+    ceiling = B + sum(w * g[c] for g, c, w in zip(gains, counts, weights))
+    best, best_rate, step = 0, -1.0, seconds(0)
     for n in range(max(counts, default=0) + 1):
-        rate = (B + sum(w * g[min(n, c)] for g, c, w in zip(gains, counts, weights))) / seconds(n)
+        rate = (B + sum(w * g[min(n, c)] for g, c, w in zip(gains, counts, weights))) / step
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = n, rate
+        step = seconds(n + 1)
+        if ceiling / step <= best_rate * (1 + 1e-9):
+            break
     return best
 
 

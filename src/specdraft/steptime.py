@@ -35,11 +35,14 @@ class DraftTimer:
         self.seconds[depth] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
 
     def __call__(self, depth: int) -> float:
-        """Estimate for ``depth`` (0: no call). Unseen depths scale the nearest seen one."""
+        """Estimate for ``depth`` (0: no call). Unseen depths scale the nearest seen one; never
+        below a shallower depth's (drafting deeper is never cheaper: ``best_size`` relies on
+        step seconds that do not fall with n)."""
         if depth <= 0 or not self.seconds:
             return 0.0
         near = min(self.seconds, key=lambda d: (abs(d - depth), d))
-        return self.seconds[near] * max(1.0, depth / near)
+        shallower = max((v for d, v in self.seconds.items() if d <= depth), default=0.0)
+        return max(self.seconds[near] * max(1.0, depth / near), shallower)
 
 
 RATIO_RANGE = (0.01, 100.0)  # a reading outside is clamped: one wild reading cannot dominate
