@@ -16,7 +16,7 @@ import torch
 
 import test_sampling_exact as exact
 from drafters_for_tests import RandomBeamsDrafter
-from specdraft.adaptive import (EXPLORE_MIN, EXPLORE_SHARE, PROBE_START, LOOK_MAX_ROWS, LOOK_PAUSE, LOOK_SHARE, LOOK_TRIAL, SLACK, AdaptivePolicy,
+from specdraft.adaptive import (ON_MARGIN, EXPLORE_MIN, EXPLORE_SHARE, PROBE_START, LOOK_MAX_ROWS, LOOK_PAUSE, LOOK_SHARE, LOOK_TRIAL, SLACK, AdaptivePolicy,
                                 RowStats, best_size, chain_gains, finish_weights)
 from specdraft.costmodel import CostModel, cost_model_key, cost_model_path, load_cost_model
 from specdraft.drafters import LookupDrafter, NoDrafter
@@ -68,7 +68,20 @@ def test_plan_finds_the_brute_force_optimum(cost, rates_by_row):
     budget = torch.full((len(rates_by_row),), 7)  # up to 6 drafted tokens per row
     n = policy.plan([stats_with(r) for r in rates_by_row], budget, width=0)
     want = brute_force_rate(cost, rates_by_row, 6)
+    plain = len(rates_by_row) / cost(len(rates_by_row))
+    if len(rates_by_row) > LOOK_MAX_ROWS and want < (1 + ON_MARGIN) * plain:
+        want = plain  # batches that cannot look draft only where it clearly pays (ON_MARGIN)
     assert policy_rate(cost, rates_by_row, n) == pytest.approx(want, rel=1e-5)  # the prior's trace in stats_with
+
+
+def test_a_batch_drafts_only_where_it_beats_plain_decoding_by_the_margin():
+    """Two rows at a rate whose best tree beats a plain step by less than ON_MARGIN: off;
+    one row (which may look) and a clearly paying rate: on."""
+    policy = AdaptivePolicy(LINEAR)  # 1 + 0.1 per extra token: at a = 0.2, depth 1 gains ~1.5%
+    budget = torch.tensor([9, 9])
+    assert 2 / LINEAR(2) < brute_force_rate(LINEAR, [[0.2] * 8] * 2, 1) < 1.05 * 2 / LINEAR(2)
+    assert policy.plan([stats_with([0.2] * 8) for _ in range(2)], budget, 0) == 0
+    assert policy.plan([stats_with([0.5] * 8) for _ in range(2)], budget, 0) > 0
 
 
 def test_plan_known_cases():
