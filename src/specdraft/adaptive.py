@@ -162,26 +162,32 @@ def best_size(gains: list[list[float]], counts: list[int], seconds, weights: lis
     cost less than the torch ops that would do them (each ~10 us on the host). The scan
     stops once even every row's whole gain over seconds(n) cannot beat the best (seconds
     never falls with n): at 16 rows with drafting off it ends at n = 1, not 16."""
-    B = len(gains)
-    weights = weights or [1.0] * B
-    ceiling = B + sum(w * g[c] for g, c, w in zip(gains, counts, weights))
+    B, last = len(gains), max(counts, default=0)
+    ceiling = B + expected_gain(gains, counts, weights, last)
     best, best_rate, step = 0, -1.0, seconds(0)
-    for n in range(max(counts, default=0) + 1):
-        rate = (B + sum(w * g[min(n, c)] for g, c, w in zip(gains, counts, weights))) / step
+    for n in range(last + 1):
+        rate = (B + expected_gain(gains, counts, weights, n)) / step
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = n, rate
+        if n == last:
+            break
         step = seconds(n + 1)
         if ceiling / step <= best_rate * (1 + 1e-9):
             break
     return best
 
 
+def expected_gain(gains: list[list[float]], counts: list[int], weights: list[float] | None, n: int) -> float:
+    """The batch's expected accepted drafted tokens at size ``n`` (``best_size``'s terms)."""
+    weights = weights or [1.0] * len(gains)
+    return sum(w * g[min(n, c)] for g, c, w in zip(gains, counts, weights))
+
+
 def pays_clearly(gains: list[list[float]], counts: list[int], seconds, weights: list[float] | None, n: int) -> bool:
     """Whether size ``n``'s expected tokens per second (``best_size``'s terms) beat a plain
     step's by ON_MARGIN."""
-    weights = weights or [1.0] * len(gains)
-    gained = sum(w * g[min(n, c)] for g, c, w in zip(gains, counts, weights))
-    return (len(gains) + gained) / seconds(n) >= (1 + ON_MARGIN) * len(gains) / seconds(0)
+    B = len(gains)
+    return (B + expected_gain(gains, counts, weights, n)) / seconds(n) >= (1 + ON_MARGIN) * B / seconds(0)
 
 
 def finish_weights(remaining: list[int]) -> list[float]:
