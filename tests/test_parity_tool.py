@@ -5,6 +5,7 @@ monotone verify-cost curve (which kernels a 1-row forward runs; no timing)."""
 from __future__ import annotations
 
 import copy
+import types
 import json
 
 import pytest
@@ -282,6 +283,38 @@ def test_packed_layout_needs_bitwise_equality(monkeypatch):
     monkeypatch.setattr(fastpath, "packed_linear", lambda x, packed, bias=None: torch.zeros(x.shape[0], 64, dtype=x.dtype))
     assert fastpath.choose_layout(weight) is None
     assert fastpath.CHOSEN == {torch.bfloat16: None}
+
+
+def test_packed_layout_stops_at_the_rows_where_it_stops_being_stock(monkeypatch):
+    """oneDNN picks its packed kernel by row count, and on some CPUs only the few-row ones
+    match stock (the AMX Xeon: bitwise at 1-32 rows, not at 40). The packed layout is
+    used up to the last probed count where every weight shape given is bitwise stock, and
+    a forward with more rows takes stock F.linear."""
+    real = fastpath.packed_linear
+    calls = []
+
+    def stock_up_to_5(x, packed, bias=None):
+        calls.append(x.shape[0])
+        y = real(x, packed, bias)
+        return y if x.shape[0] <= 5 else y + 1  # wrong from 6 rows on
+
+    monkeypatch.setattr(fastpath, "CHOSEN", {})
+    monkeypatch.setattr(fastpath, "ROW_LIMIT", {})
+    monkeypatch.setattr(fastpath, "packing_available", lambda: True)
+    monkeypatch.setattr(fastpath, "pack_weight", lambda w: w)
+    monkeypatch.setattr(fastpath, "packed_linear", lambda x, packed, bias=None: stock_up_to_5(x, packed, bias)
+                        if packed.shape[0] == 64 else torch.nn.functional.linear(x, packed, bias))
+    weight, other = torch.randn(64, 32).to(torch.bfloat16), torch.randn(48, 32).to(torch.bfloat16)
+    assert fastpath.packed_stock_rows(other) == fastpath.PROBE_ROWS[-1]  # this shape: stock at every count
+    assert fastpath.packed_stock_rows(weight) == 5
+    assert fastpath.choose_layout(other, (weight,)) == fastpath.PACKED  # too small to time: the candidate
+    assert fastpath.ROW_LIMIT == {torch.bfloat16: 5}
+    holder = types.SimpleNamespace()
+    calls.clear()
+    with torch.no_grad(), fastpath.active():
+        fastpath.linear(torch.randn(5, 32).to(torch.bfloat16), weight, holder=holder)
+        fastpath.linear(torch.randn(6, 32).to(torch.bfloat16), weight, holder=holder)
+    assert calls == [5]  # 6 rows: stock F.linear
 
 
 @pytest.mark.parametrize("stock_ms, transposed_ms, chosen", [(2.8, 9.3, None), (7.6, 2.7, "transposed"),

@@ -18,7 +18,8 @@ with the packed copy: the same kernel, so bitwise the stock result at every row 
 measured (1-256), and 1.5-2.6x faster for 1-16 rows on the AVX512-BF16 EPYC (SmolLM2's LM
 head, one row: 2.5 ms against 3.9 ms; a 1536 x 576 MLP weight 31 against 59 us). It costs
 a second copy of each linear weight in memory. It is kept only where it is bitwise stock
-*and* not slower on this machine (``choose_layout``); the transposed layout made bfloat16
+*and* not slower on this machine (``choose_layout``), and only up to the row count where it
+still is (``ROW_LIMIT``: on an Intel Xeon with AMX, bitwise at 1-32 rows, not at 40 or 48); the transposed layout made bfloat16
 slower (4 tokens: 37 ms against 29 ms). ``LAYOUTS`` records the candidate per dtype; the
 figures are in docs/engine.md ("Kernels per dtype").
 
@@ -48,6 +49,10 @@ LAYOUTS = {torch.float32: TRANSPOSED, torch.bfloat16: PACKED}  # weight dtype ->
 # (2026-11-25) MKL's one-row float32 kernel is fast and the transposed layout 3-5x slower
 # (LM head, 1 row: 9.3 ms against 2.8 ms), the opposite of the AVX2 EPYC above.
 CHOSEN: dict[torch.dtype, str | None] = {}  # dtype -> layout measured in this process
+ROW_LIMIT: dict[torch.dtype, int] = {}  # dtype -> rows up to which the packed layout is bitwise stock here
+# Row counts probed for bitwise equality: each one up to 8 (oneDNN switches kernels at small
+# counts), then the batch x tree sizes of decoding, then prefill-like counts.
+PROBE_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 40, 48, 64, 128, 256)
 MEASURE_MIN_PARAMS = 1 << 20  # a smaller weight times too fast to tell; it keeps the candidate
 _depth = 0  # > 0 while an engine forward runs
 
@@ -118,21 +123,31 @@ def packed_weight_of(holder, weight: torch.Tensor) -> torch.Tensor:
     return copy.tensor
 
 
-def packed_is_stock(weight: torch.Tensor) -> bool:
-    """Whether the packed layout gives bitwise F.linear's result for ``weight`` here, at
-    row counts where oneDNN picks different kernels (1, 5, 40 rows of random inputs)."""
+def packed_stock_rows(weight: torch.Tensor) -> int:
+    """The largest count R of ``PROBE_ROWS`` such that the packed layout gives bitwise
+    F.linear's result for ``weight`` here at every probed count up to R (random inputs);
+    0 where not even one row is (or this build or CPU has no packed product). oneDNN picks
+    its kernel by row count, and only some of them match stock's."""
     if not packing_available():
-        return False
+        return 0
+    good = 0
     try:
         packed = pack_weight(weight)
         g = torch.Generator().manual_seed(0)
-        for rows in (1, 5, 40):
+        for rows in PROBE_ROWS:
             x = torch.randn(rows, weight.shape[1], generator=g).to(weight.dtype)
             if not torch.equal(packed_linear(x, packed), F.linear(x, weight)):
-                return False
+                break
+            good = rows
     except RuntimeError:  # an op this build or CPU does not have
-        return False
-    return True
+        return 0
+    return good
+
+
+def packed_is_stock(weight: torch.Tensor) -> bool:
+    """Whether the packed layout gives bitwise F.linear's result for ``weight`` here at
+    one row at least (``packed_stock_rows``)."""
+    return packed_stock_rows(weight) > 0
 
 
 def _median_ms(fn, trials: int = 7) -> float:
@@ -145,22 +160,25 @@ def _median_ms(fn, trials: int = 7) -> float:
     return 1000 * sorted(times)[trials // 2]
 
 
-def choose_layout(weight: torch.Tensor) -> str | None:
+def choose_layout(weight: torch.Tensor, probes: tuple[torch.Tensor, ...] = ()) -> str | None:
     """The layout this process uses for ``weight.dtype``, measured once per dtype with the
     model's largest linear: the dtype's candidate if it runs a one-row product with
     ``weight`` at least 10% faster than stock ``F.linear`` on this machine (the packed
     layout: if it is bitwise stock and not slower), else None (stock). A weight under
     ``MEASURE_MIN_PARAMS`` times too fast to tell: it keeps the candidate (the packed one
-    only if bitwise stock)."""
+    only if bitwise stock). The packed layout is then used up to ``ROW_LIMIT[dtype]`` rows:
+    where it is bitwise stock for ``weight`` and every weight of ``probes`` (one per shape)."""
     dtype = weight.dtype
     if dtype not in CHOSEN:
         candidate = LAYOUTS.get(dtype)
         if candidate is None or weight.device.type != "cpu":
             return candidate
         with torch.no_grad():
-            if candidate == PACKED and not packed_is_stock(weight):
-                CHOSEN[dtype] = None
-                return None
+            if candidate == PACKED:
+                ROW_LIMIT[dtype] = min(packed_stock_rows(w) for w in (weight, *probes) if w.dtype == dtype)
+                if not ROW_LIMIT[dtype]:
+                    CHOSEN[dtype] = None
+                    return None
             if weight.numel() < MEASURE_MIN_PARAMS:
                 return candidate
             x = torch.zeros(1, weight.shape[1], dtype=dtype)
@@ -185,7 +203,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     layout = CHOSEN.get(weight.dtype, LAYOUTS.get(weight.dtype))
     if layout is None or x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    limit = MAX_ROWS[layout]
+    limit = ROW_LIMIT.get(weight.dtype, MAX_ROWS[layout]) if layout == PACKED else MAX_ROWS[layout]
     if limit is not None and x.numel() > limit * x.shape[-1]:
         return F.linear(x, weight, bias)
     if layout == PACKED:
@@ -242,10 +260,12 @@ def register_attention() -> str:
 
 def small_batch_linear(model: torch.nn.Module) -> torch.nn.Module:
     """Patch every nn.Linear of ``model`` in place (idempotent); returns the model. The
-    model's largest linear decides, once per dtype, whether the candidate layout pays here."""
+    model's largest linear decides, once per dtype, whether the candidate layout pays here;
+    one weight of each shape, up to how many rows the packed one is bitwise stock."""
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     if linears:
-        choose_layout(max(linears, key=lambda m: m.weight.numel()).weight.detach())
+        shapes = {(tuple(m.weight.shape), m.weight.dtype): m.weight.detach() for m in linears}
+        choose_layout(max(linears, key=lambda m: m.weight.numel()).weight.detach(), tuple(shapes.values()))
     for module in model.modules():
         if type(module) is torch.nn.Linear and not getattr(module, "_specdraft_fastpath", False):
             module.forward = types.MethodType(_forward, module)
