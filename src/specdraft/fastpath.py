@@ -19,8 +19,8 @@ measured (1-256), and 1.5-2.6x faster for 1-16 rows on the AVX512-BF16 EPYC (Smo
 head, one row: 2.5 ms against 3.9 ms; a 1536 x 576 MLP weight 31 against 59 us). It costs
 a second copy of each linear weight in memory. It is kept only where it is bitwise stock
 *and* not slower on this machine (``choose_layout``), and only up to the row count where it
-still is (``ROW_LIMIT``: on an Intel Xeon with AMX, bitwise at 1-32 rows, not at 40 or 48); the transposed layout made bfloat16
-slower (4 tokens: 37 ms against 29 ms). ``LAYOUTS`` records the candidate per dtype; the
+still is (``ROW_LIMIT``: on an Intel Xeon with AMX, bitwise at 1-32 rows, not at 40 or 48);
+the transposed layout made bfloat16 slower (4 tokens: 37 ms against 29 ms). ``LAYOUTS`` records the candidate per dtype; the
 figures are in docs/engine.md ("Kernels per dtype").
 
 ``small_batch_linear(model)`` patches the model's ``nn.Linear`` instances (not the class)
@@ -203,7 +203,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     layout = CHOSEN.get(weight.dtype, LAYOUTS.get(weight.dtype))
     if layout is None or x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    limit = ROW_LIMIT.get(weight.dtype, MAX_ROWS[layout]) if layout == PACKED else MAX_ROWS[layout]
+    limit = ROW_LIMIT.get(weight.dtype, MAX_ROWS[layout])  # ROW_LIMIT: packed dtypes only
     if limit is not None and x.numel() > limit * x.shape[-1]:
         return F.linear(x, weight, bias)
     if layout == PACKED:
