@@ -15,7 +15,8 @@ Stages, each resumable (the same command continues where a run stopped):
     3. final     OUT/final (written by the trainer when the schedule ends): loadable as
                  ``draft:OUT/final``, as transformers' ``assistant_model`` (full
                  vocabulary export: ``specdraft export hf``). A run stopped before
-                 (budget, Ctrl-C) leaves the draft as it stands in OUT/latest
+                 by the budget leaves the draft as it stands in OUT/latest
+                 (Ctrl-C / SIGTERM: the training checkpoint only)
 
 The draft starts from (first that applies): ``init_from`` (a draft folder, or "default":
 the draft shipped for the default target), ``copy_layers`` (those target layers at full
