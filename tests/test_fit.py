@@ -4,6 +4,7 @@ corpus trainer and its held-out walk. Tiny random target, synthetic chat data.""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -339,6 +340,35 @@ def test_interrupted_fit_continues_to_the_same_weights(tiny_target_path, data, a
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     curve = lambda r: [json.loads(x) for x in (tmp_path / r / "curve.jsonl").read_text().splitlines()]  # noqa: E731
     assert curve("a") == curve("b")  # each evaluation once, with the same numbers
+
+
+@pytest.mark.parametrize("drafter", ["redrafter", "draft"])
+def test_ctrl_c_saves_a_checkpoint_and_a_usable_latest(tiny_target_path, tiny_target, data, answers, tmp_path,
+                                                       monkeypatch, capsys, drafter):
+    """Ctrl-C (or SIGTERM, which fit turns into one) between steps: exit 130, the checkpoint
+    and OUT/latest are saved, and the same command finishes the schedule from there."""
+    from specdraft.train import common
+
+    extra = ["--drafter", drafter, "--heldout-data", str(answers), "--epochs", "2", "--save-every", "0"]
+    extra += ["--copy-layers", "0", "--batch-sequences", "4", "--gamma", "2"] if drafter == "draft" else []
+    calls, clock = [0], common.clock_says
+
+    def interrupt_at_step_two(*args):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt  # after the second optimizer step: the state is consistent
+        return clock(*args)
+
+    monkeypatch.setattr(common, "clock_says", interrupt_at_step_two)
+    assert fit(tiny_target_path, data, tmp_path / "r", *extra) == 130
+    err = capsys.readouterr().err
+    assert "interrupted; saved" in err and "Traceback" not in err and "stopped at step 2 of" in err
+    assert (tmp_path / "r" / "latest").is_dir() and not (tmp_path / "r" / "final").exists()
+    build_drafter(f"{drafter}:{tmp_path / 'r' / 'latest'}", tiny_target)  # usable mid-schedule
+    monkeypatch.setattr(common, "clock_says", clock)
+    assert fit(tiny_target_path, data, tmp_path / "r", *extra) == 0
+    assert (tmp_path / "r" / "final").is_dir()
+    assert re.search(r"resuming( training)? at step 2\b", capsys.readouterr().err)
 
 
 def test_example_spans_repeat_or_cut_the_second_part_to_its_share():

@@ -116,6 +116,7 @@ class TrainState:
         self.step = 0
         self.tokens = 0
         self.plan_signature = plan_signature
+        self.interrupted = False  # set by train_loop on Ctrl-C / SIGTERM; never checkpointed
 
     def state_dict(self) -> dict:
         return {"step": self.step, "tokens": self.tokens, "plan_signature": self.plan_signature}
@@ -367,8 +368,10 @@ def clock_says(accelerator, opts: LoopOptions, last_save: float) -> tuple[bool, 
 def train_loop(accelerator, task, model, optimizer, scheduler, plan: Plan, state: TrainState,
                opts: LoopOptions) -> bool:
     """Run optimizer steps from ``state.step`` to ``plan.total_steps``. Returns True when
-    training finished, False when it stopped early (``stop_after_steps`` or Ctrl-C on a
-    single process; a checkpoint is saved either way)."""
+    training finished, False when it stopped early (``stop_after_steps``, the deadline, or
+    Ctrl-C / SIGTERM on a single process between steps; a checkpoint is saved each way).
+    An interrupt sets ``state.interrupted`` and returns, so that ``finish_run`` still saves
+    OUT/latest before it passes the interrupt on; anywhere else it propagates at once."""
     window = LogWindow(accelerator, task, plan, state, opts)
     stop_at = plan.total_steps if opts.stop_after_steps is None else min(plan.total_steps, opts.stop_after_steps)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -400,12 +403,12 @@ def train_loop(accelerator, task, model, optimizer, scheduler, plan: Plan, state
             if out_of_time:
                 break
     except KeyboardInterrupt:
-        if accelerator.num_processes == 1 and state.step > 0 and not updating:
-            # Between steps the state is consistent: keep the work done so far.
-            save_checkpoint(accelerator, task, opts.out, state.step, opts.keep_checkpoints)
-            print(f"\nspecdraft: interrupted; saved {checkpoint_dir(opts.out, state.step)} ({opts.resume_hint})",
-                  file=sys.stderr)
-        raise
+        if accelerator.num_processes > 1 or state.step == 0 or updating:
+            raise  # mid-update or across processes the state is not one we can save
+        # Between steps the state is consistent: keep the work done so far.
+        save_checkpoint(accelerator, task, opts.out, state.step, opts.keep_checkpoints)
+        print(f"\nspecdraft: interrupted; saved {checkpoint_dir(opts.out, state.step)}", file=sys.stderr)
+        state.interrupted = True
     finally:
         window.close()
     return state.step >= plan.total_steps
@@ -436,6 +439,8 @@ def finish_run(accelerator, main: bool, finished: bool, state: TrainState, plan:
     # Left to interpreter exit, gloo's teardown raced its own threads: now and then a rank
     # aborted ("terminate called without an active exception") after the run had finished.
     accelerator.state.destroy_process_group()
+    if state.interrupted:
+        raise KeyboardInterrupt  # saved; the CLI reports the interrupt and its exit code
     return 0
 
 

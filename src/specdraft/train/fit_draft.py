@@ -15,8 +15,7 @@ Stages, each resumable (the same command continues where a run stopped):
     3. final     OUT/final (written by the trainer when the schedule ends): loadable as
                  ``draft:OUT/final``, as transformers' ``assistant_model`` (full
                  vocabulary export: ``specdraft export hf``). A run stopped before
-                 by the budget leaves the draft as it stands in OUT/latest
-                 (Ctrl-C / SIGTERM: the training checkpoint only)
+                 (budget, Ctrl-C, SIGTERM) leaves the draft as it stands in OUT/latest
 
 The draft starts from (first that applies): ``init_from`` (a draft folder, or "default":
 the draft shipped for the default target), ``copy_layers`` (those target layers at full
@@ -64,15 +63,17 @@ def fit_draft(config, target, budget) -> int:
 
     out = Path(config.out)
     heldout = Path(config.heldout_data) if config.heldout_data else out / "heldout.jsonl"
-    with sigterm_as_interrupt():
-        if not config.heldout_data:
-            heldout_answers(config, target, heldout)
-        code = run(draft_config(config, heldout, budget.deadline()), target=target)
-    write_curve(out, out / "train" / EVAL_LOG)
-    for name in ("final", LATEST):
-        if (out / "train" / name).is_dir() and not (out / name).exists():
-            # Relative, so that the run folder can be moved; the trainer rewrites train/NAME.
-            (out / name).symlink_to(Path("train") / name, target_is_directory=True)
+    try:
+        with sigterm_as_interrupt():
+            if not config.heldout_data:
+                heldout_answers(config, target, heldout)
+            code = run(draft_config(config, heldout, budget.deadline()), target=target)
+    finally:  # an interrupted run (the trainer saved, then re-raised) gets its curve and links too
+        write_curve(out, out / "train" / EVAL_LOG)
+        for name in ("final", LATEST):
+            if (out / "train" / name).is_dir() and not (out / name).exists():
+                # Relative, so that the run folder can be moved; the trainer rewrites train/NAME.
+                (out / name).symlink_to(Path("train") / name, target_is_directory=True)
     if (out / "final").is_dir():
         say(f"the draft is in {out / 'final'} (use --drafter draft:{out / 'final'})")
     return code
