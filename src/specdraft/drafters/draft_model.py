@@ -319,9 +319,12 @@ class DraftModelDrafter(Drafter):
 def _token_probs(logits: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
     """(B, W, 1) draft probability (temperature 1) of each chosen token under its parent's
     logits (B, w, V): adaptive drafting's confidence (never used for acceptance)."""
-    probs = logits.float().softmax(dim=-1)
-    probs = probs.gather(1, parent[:, :, None].expand(-1, -1, probs.shape[-1]))
-    return probs.gather(2, tokens[:, :, None])
+    logits = logits.float()
+    V = logits.shape[-1]
+    # exp(chosen logit - its row's logsumexp): only the chosen entries are gathered, never a
+    # whole (B, W, V) copy of the parents' rows (a third of a small draft's call otherwise).
+    chosen = logits.flatten(1).gather(1, parent * V + tokens)  # (B, W)
+    return (chosen - logits.logsumexp(dim=-1).gather(1, parent)).exp()[:, :, None]
 
 
 # ---- load-time checks (each failure is one SpecdraftError line) ---------------------------
