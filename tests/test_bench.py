@@ -324,6 +324,22 @@ def test_bench_measures_fixed_and_adaptive_rows_side_by_side(tiny_target_path, p
     assert runs["lookup@1x3/fixed"]["adaptive"] is False and runs["lookup@1x3"]["adaptive"] is True
 
 
+def test_ignore_eos_makes_every_row_write_max_new_tokens(tiny_target_path, tmp_path):
+    """--ignore-eos: a prompt the tiny target answers with EOS after 3 tokens writes all 16
+    (every method of ours); transformers' peers are reported unsupported, not run."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": 0, "prompt": "t2 t2 t3"}) + "\n" + json.dumps({"id": 1, "prompt": PROMPTS[0]}))
+    plain = rows_by(bench(tiny_target_path, prompts, tmp_path / "a", "--drafters", "lookup"))
+    assert plain[("none", 0.0, 1)]["per_prompt"][0]["new_tokens"] == [3]  # it does stop without the flag
+    got = bench(tiny_target_path, prompts, tmp_path / "b", "--drafters", "lookup,hf-ar", "--ignore-eos")
+    assert got["settings"]["ignore_eos"] is True
+    rows = rows_by(got)
+    for name in ("none", "lookup"):
+        assert [p["new_tokens"] for p in rows[(name, 0.0, 1)]["per_prompt"]] == [[16], [16]]
+    assert rows[("none", 0.0, 1)]["per_prompt"][0]["token_ids"][:3] == plain[("none", 0.0, 1)]["per_prompt"][0]["token_ids"]
+    assert rows[("hf-ar", 0.0, 1)]["status"] == "unsupported" and "ignore_eos" in rows[("hf-ar", 0.0, 1)]["reason"]
+
+
 def test_sweep_draft_model_records_gamma(tiny_target_path, prompts_file, tmp_path):
     draft = tmp_path / "draft"
     shutil.copytree(tiny_target_path, draft)  # the target drafting for itself: a valid draft model

@@ -24,9 +24,11 @@ class RowMeasure:
                     "temperature": float(temperature), "batch_size": int(batch_size), **method.info,
                     "prompts": len(prompts), "repeats": cfg.repeats, "max_new_tokens": cfg.max_new_tokens,
                     "mt_bench_turn": 2 if any(it.follow_up for it in items) else 1}
-        self.reason = method.unsupported(batch_size)
+        self.reason = method.unsupported(batch_size) or (
+            "transformers' generate() has no ignore_eos" if cfg.ignore_eos and method.kind == "peer" else None)
         self.params = [SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=temperature, top_p=cfg.top_p,
-                                      top_k=cfg.top_k, seed=cfg.seed + i).validate() for i in range(len(prompts))]
+                                      top_k=cfg.top_k, seed=cfg.seed + i, ignore_eos=cfg.ignore_eos).validate()
+                       for i in range(len(prompts))]
         self.per_prompt = [{"id": it.id, "prompt_tokens": len(p), "new_tokens": [], "steps": [], "seconds": [],
                             "finish_reason": None, "accepted_hist": {}, "token_ids": None}
                            for it, p in zip(items, prompts)]

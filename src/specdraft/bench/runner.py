@@ -69,6 +69,9 @@ class BenchConfig:
     interleave: bool = False  # every method loaded at once, their batches in turn (see Bench.run_interleaved)
     lockstep: bool = False  # interleave, and our methods' batches advance a decode step each in turn
     compile_target: bool = False  # our methods run the target's decoder stack compiled (peers: eager)
+    # Every row writes max_new_tokens (an EOS does not end it): throughput at a fixed length,
+    # so that methods whose text differs (bfloat16 near-ties) still do the same amount of work.
+    ignore_eos: bool = False
 
     def resolved_dtype(self) -> str:
         from ..models import resolve_dtype
@@ -80,8 +83,9 @@ class BenchConfig:
         keys = ("target", "device", "limit", "top_p", "top_k", "repeats", "max_new_tokens", "beam_width",
                 "beam_length", "gamma", "seed", "chat", "mt_bench_turns", "adaptive")
         s = {k: getattr(self, k) for k in keys}
-        if self.compile_target:  # only when set: earlier results.json still resume
-            s["compile_target"] = True
+        for flag in ("compile_target", "ignore_eos"):  # only when set: earlier results.json still resume
+            if getattr(self, flag):
+                s[flag] = True
         s["dtype"] = self.resolved_dtype()
         return json.loads(json.dumps(s))
 

@@ -64,6 +64,10 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap prompts in the target's chat template (default: on)")
     g.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="(default: %(default)s)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="every row writes --max-new-tokens (an EOS does not end it): throughput at a fixed "
+                        "length, also where bfloat16 near-ties change a row's length (transformers' peers: "
+                        "not run)")
     g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="for T > 0 (default: %(default)s)")
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="for T > 0, 0 = off (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, metavar="S",
@@ -97,7 +101,7 @@ def base_config(args: argparse.Namespace, **extra):
         repeats=args.repeats, max_new_tokens=args.max_new_tokens, seed=args.seed, chat=args.chat,
         resume=args.resume, warmup=args.warmup, progress=args.progress, command=args.command_line,
         interleave=args.interleave, lockstep=args.lockstep,
-        compile_target=args.compile_target, **extra)
+        compile_target=args.compile_target, ignore_eos=getattr(args, "ignore_eos", False), **extra)
 
 
 def check_device(args: argparse.Namespace) -> None:
