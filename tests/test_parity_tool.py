@@ -374,3 +374,40 @@ def test_bf16_tree_rows_equal_one_token_steps(tiny_target_path, monkeypatch):
     fastpath.register_attention()  # the real function again, for later tests
     assert 6 in calls  # the tree forward went through the chunking attention
     assert all(torch.equal(tree[i], steps[i]) for i in range(6))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tree_attention_skips_repeated_kv_heads_and_stays_bitwise(tiny_target_path, monkeypatch, dtype):
+    """A verify forward of a tree (masked, several query rows) runs SDPA with the grouped
+    key/value heads as they are (``enable_gqa``, no repeat_kv copies) and gives bitwise the
+    logits of transformers' own SDPA attention (repeat_kv) on the same cache; rows of a batch
+    with different cached lengths included."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from specdraft.timing import prefill
+
+    target = load_target(str(tiny_target_path), dtype=dtype)
+    assert target.model.config.num_key_value_heads < target.model.config.num_attention_heads  # a GQA target
+    from transformers.integrations import sdpa_attention
+
+    copies = []
+    real_repeat = sdpa_attention.repeat_kv
+    def tree_logits():
+        cache = prefill(target, 7, 20, rows=3)
+        cache.lengths = torch.tensor([7, 5, 6])  # rows of a batch hold different lengths
+        tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+        ids = torch.tensor([[3, 7, 2, 9], [4, 5, 6, 1], [8, 2, 3, 3]])
+        positions = cache.lengths[:, None] + torch.tensor([0, 1, 1, 2])
+        copies.clear()  # count the tree forward's copies only (the prefill's are transformers')
+        with torch.no_grad():
+            logits = target.logits(target.forward(ids, positions, cache.attention_mask(tree[None].expand(3, 4, 4)),
+                                                  cache))
+        return logits, len(copies)
+
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: copies.append(a[0].shape) or real_repeat(*a))
+    ours, copied = tree_logits()
+    assert copied == 0  # no layer copied the cached keys and values
+    monkeypatch.setattr(fastpath, "masked_gqa_sdpa", sdpa_attention_forward)  # transformers' own path
+    stock, copied = tree_logits()
+    assert copied > 0  # ... which repeats the heads
+    assert torch.equal(ours, stock)

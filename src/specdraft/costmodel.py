@@ -36,7 +36,8 @@ COST_LONG_PREFIX = 640  # a second, shorter curve here gives the attention term
 COST_LONG_TOKENS = (1, 8, 32)
 BATCH_ROWS = (4, 16)  # batch sizes with their own curve (batch 1: the main curve)
 BATCH_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16)  # tokens per row measured at those batch sizes
-FORMAT = 3  # 2: with batch curves; 3: paired within rounds (an older cached model is measured again)
+FORMAT = 4  # 2: with batch curves; 3: paired within rounds; 4: tree attention without repeated
+# key/value heads (fastpath.masked_gqa_sdpa: trees got cheaper). An older cached model is measured again
 
 
 @dataclass

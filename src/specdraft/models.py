@@ -389,9 +389,10 @@ def load_target(spec: str = "default", device: str = "cpu", dtype: str = "auto",
     path = resolve_target(spec)
     dev = parse_device(device)
     dt = parse_dtype(resolve_dtype(dtype, dev))
-    # In reduced precision, SDPA with the engine's tree queries chunked (fastpath.chunked_sdpa):
-    # bitwise the attention of one-token decoding; outside engine forwards it is plain SDPA.
-    attention = fastpath.register_attention() if dt in fastpath.QUERY_CHUNK else "sdpa"
+    # The engine's attention (fastpath.chunked_sdpa): tree queries without copies of the grouped
+    # key/value heads and, in reduced precision, in chunks bitwise one-token decoding's;
+    # outside engine forwards it is plain SDPA.
+    attention = fastpath.register_attention()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
