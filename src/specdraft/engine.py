@@ -152,6 +152,7 @@ class SpeculativeEngine:
             self.drafter.start(new.ctx)
             batch.rows, batch.cache, batch.hidden, batch.ctx = new.rows, new.cache, new.hidden, new.ctx
             batch.recent, batch.features = new.recent, new.features
+            batch.steady = False
         else:
             batch.cache.extend(new.cache)
             batch.rows = batch.rows + new.rows
@@ -162,6 +163,7 @@ class SpeculativeEngine:
                 batch.features = torch.cat([batch.features, new.features])
             self.drafter.add_rows(new.ctx)
             batch.ctx = self._context(batch)
+            batch.steady = False  # the next call feeds the new rows' prompts
         for stage, secs in new.timer.seconds.items():
             batch.timer.seconds[stage] += secs
         return events
@@ -203,6 +205,7 @@ class SpeculativeEngine:
             depth = self.policy.plan(stats, ctx.budget, cache.width, weights)
             self.trace(self.policy, stats, depth, cache.width)
             if depth == 0:
+                batch.steady = False
                 return self._plain_step(batch, proposed=False, started=step_start)
             ctx = replace(ctx, budget=ctx.budget.clamp(max=depth + 1 + slack(len(stats))))
         with timer("draft"):
@@ -274,7 +277,9 @@ class SpeculativeEngine:
                seconds: float, weights: list[float] | None) -> Proposal:
         """Cut the proposal to what the policy finds worth verifying (valid mask only)."""
         stats = [r.adapt for r in batch.rows]
-        self.policy.draft_time.record(depth + slack(len(stats)), seconds)
+        if batch.steady:  # a call that caught up on plain steps' tokens would overstate drafting's cost
+            self.policy.draft_time.record(depth + slack(len(stats)), seconds)
+        batch.steady = True
         self.policy.observe_offers(stats, proposal.valid[:, :, 1:].any(dim=2).any(dim=1).tolist())
         # Sampled drafts (q) must not be cut by their own drawn tokens' confidences.
         use_conf = ctx.greedy | (proposal.q is None)

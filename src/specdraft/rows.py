@@ -166,6 +166,11 @@ class Batch:
     # Static: no request joins (``engine.run``); its caller waits for the last row, so the
     # adaptive policy weighs rows by their chance to finish last (``adaptive.finish_weights``).
     static: bool = False
+    # The drafter was called on the previous step and no row joined since: the next call's
+    # time is drafting's steady cost (``engine._adapt``). After plain steps a draft model
+    # first feeds every token they made, and a joining row its prompt: such a call costs
+    # more than drafting on consecutive steps does.
+    steady: bool = False
 
     @property
     def request_ids(self) -> list[int]:
