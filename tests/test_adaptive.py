@@ -332,6 +332,23 @@ def test_always_wrong_drafter_ends_at_plain_decoding(tiny_target):
     assert sum(res.drafted_hist.values()) == res.steps - 1
 
 
+def test_draft_calls_are_timed_only_in_steady_state(tiny_target):
+    """A drafter call right after a plain step (a draft model first feeds the tokens plain
+    steps made) or on a batch's first step is not timed; calls on consecutive drafting steps
+    are: the plan weighs what drafting step after step costs."""
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    policy = AdaptivePolicy(LINEAR)
+    plans = iter([1, 1, 0, 1, 1, 1, 0, 0, 1] + [0] * 20)
+    policy.plan = lambda *a, **k: next(plans)
+    timed = []
+    record = policy.draft_time.record
+    policy.draft_time.record = lambda depth, seconds: timed.append(seconds) or record(depth, seconds)
+    engine = SpeculativeEngine(tiny_target, LookupDrafter(1, 4), policy=policy)
+    engine.generate(PROMPTS[:1], params)
+    # drafting steps 1, 2 | plain | 4, 5, 6 | plain, plain | 9: timed are 2, 5 and 6
+    assert len(timed) == 3
+
+
 def test_seeded_sampling_keeps_the_fixed_shape(tiny_target):
     """A seed's output must not depend on the batch: seeded rows are not adapted."""
     params = [SamplingParams(max_new_tokens=30, temperature=1.0, seed=5 + i, ignore_eos=True) for i in range(3)]
