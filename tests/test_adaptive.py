@@ -332,21 +332,42 @@ def test_always_wrong_drafter_ends_at_plain_decoding(tiny_target):
     assert sum(res.drafted_hist.values()) == res.steps - 1
 
 
-def test_draft_calls_are_timed_only_in_steady_state(tiny_target):
+def test_draft_calls_after_plain_steps_are_timed_apart(tiny_target):
     """A drafter call right after a plain step (a draft model first feeds the tokens plain
-    steps made) or on a batch's first step is not timed; calls on consecutive drafting steps
-    are: the plan weighs what drafting step after step costs."""
+    steps made) or on a batch's first step is a catch-up call, timed apart from calls on
+    consecutive drafting steps: the plan weighs what drafting step after step costs, a
+    probe what a call after plain steps costs."""
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     policy = AdaptivePolicy(LINEAR)
     plans = iter([1, 1, 0, 1, 1, 1, 0, 0, 1] + [0] * 20)
     policy.plan = lambda *a, **k: next(plans)
-    timed = []
+    kinds = []
     record = policy.draft_time.record
-    policy.draft_time.record = lambda depth, seconds: timed.append(seconds) or record(depth, seconds)
-    engine = SpeculativeEngine(tiny_target, LookupDrafter(1, 4), policy=policy)
-    engine.generate(PROMPTS[:1], params)
-    # drafting steps 1, 2 | plain | 4, 5, 6 | plain, plain | 9: timed are 2, 5 and 6
-    assert len(timed) == 3
+    policy.draft_time.record = lambda depth, seconds, steady=True: kinds.append(steady) or record(depth, seconds, steady)
+    SpeculativeEngine(tiny_target, LookupDrafter(1, 4), policy=policy).generate(PROMPTS[:1], params)
+    # drafting steps 1, 2 | plain | 4, 5, 6 | plain, plain | 9
+    assert kinds == [False, True, False, True, True, False]
+
+
+def test_a_probe_is_priced_with_the_catch_up_call():
+    """Steady calls cost 1 ms, calls after plain steps 50: the plan's step prices use the
+    former, a probe's the latter, so a credit that pays for a steady call's probe does not
+    pay for this one."""
+    from specdraft.steptime import DraftTimer
+
+    timer = DraftTimer()
+    for seconds, steady in ((9.0, True), (0.001, True), (0.05, False), (0.001, True)):
+        timer.record(2, seconds, steady)  # the first call is never counted
+    assert timer(2) == pytest.approx(0.001) and timer.catch_up(2) == pytest.approx(0.05) and timer.catch_up(0) == 0
+    policy = AdaptivePolicy(LINEAR)
+    policy.draft_time = timer
+    stats, budget = [stats_with([0.05] * 8) for _ in range(2)], torch.tensor([3, 3])
+    for s in stats:
+        s.off_streak = PROBE_START  # due
+    cheap = LINEAR(4) - LINEAR(2) + 0.001 + 1e-6
+    policy.probe_credit = cheap
+    assert not policy.afford_probe(stats, [2, 2], policy.seconds(2, 0), None, policy.seconds(2, 0, catch_up=True))
+    assert policy.afford_probe(stats, [2, 2], policy.seconds(2, 0), None)  # priced as a steady call, it is paid
 
 
 def test_seeded_sampling_keeps_the_fixed_shape(tiny_target):

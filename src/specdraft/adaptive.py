@@ -252,17 +252,20 @@ class AdaptivePolicy:
         PRIOR_STRENGTH trials."""
         return (PRIOR_STRENGTH * base + self.pool_hits) / (PRIOR_STRENGTH + self.pool_trials)
 
-    def seconds(self, rows: int, width: int, draft_depth: int = 0, drafted: float | None = None):
+    def seconds(self, rows: int, width: int, draft_depth: int = 0, drafted: float | None = None,
+                catch_up: bool = False):
         """n -> seconds of a step whose longest row verifies 1 + n tokens. Drafting: the
         ``drafted`` seconds already spent this step (the same for every n), else the
-        timer's estimate for the depth the step would draft."""
+        timer's estimate for the depth the step would draft (``catch_up``: the estimate
+        for a call after plain steps, ``DraftTimer.catch_up``)."""
+        timer = self.draft_time.catch_up if catch_up else self.draft_time
         plain = self.cost(rows, width, rows) * self.step_ratio(False, rows)
         # Never below the curve's tree / plain relation: a ratio learnt on 3-token-a-row trees a
         # noisy curve put at 1.95x plain (really 1.6x) priced 2 a row at 1.26x (really 1.55x).
         tree = max(self.step_ratio(True, rows), self.step_ratio(False, rows))
 
         def step(n: int) -> float:
-            draft = drafted if drafted is not None else self.draft_time(draft_depth or (n and n + slack(rows)))
+            draft = drafted if drafted is not None else timer(draft_depth or (n and n + slack(rows)))
             # a tree step is never cheaper than a plain one (the ratios are estimates)
             return (max(self.cost(rows * (1 + n), width, rows) * tree, plain) if n else plain) + draft
         return step
@@ -315,7 +318,8 @@ class AdaptivePolicy:
                 self.look_is_cheap(seconds, depth):
             self.looking = True
             return depth
-        self.probing = n == 0 and self.afford_probe(stats, counts, seconds, weights)
+        self.probing = n == 0 and self.afford_probe(stats, counts, seconds, weights,
+                                                    self.seconds(len(stats), width, catch_up=True))
         self.probed_rows = len(stats) if self.probing else 0
         return 1 if self.probing else n
 
@@ -352,13 +356,15 @@ class AdaptivePolicy:
                  for s in stats]
         return best_size(gains, counts, seconds, weights) > 0
 
-    def afford_probe(self, stats: list[RowStats], counts: list[int], seconds, weights=None) -> bool:
+    def afford_probe(self, stats: list[RowStats], counts: list[int], seconds, weights=None,
+                     probe_seconds=None) -> bool:
         """Whether some row is due for a probe, the credit pays for what it adds to this step
-        (seconds(1) - seconds(0): the padded tree and the drafter call) and the probe could
-        change the plan (``probe_could_pay``); if so, spend the credit."""
+        (probe_seconds(1) - seconds(0): the padded tree and a drafter call that first catches
+        up on the plain steps' tokens; default ``seconds``) and the probe could change the
+        plan (``probe_could_pay``); if so, spend the credit."""
         if not any(s.probe_due for s in stats):
             return False
-        extra = max(seconds(1) - seconds(0), 0.0)
+        extra = max((probe_seconds or seconds)(1) - seconds(0), 0.0)
         self.probe_credit = min(self.probe_credit, 2 * extra)  # no burst after a long quiet stretch
         if self.probe_credit < extra or not self.probe_could_pay(stats, counts, seconds, weights):
             return False

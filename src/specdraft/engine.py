@@ -277,8 +277,8 @@ class SpeculativeEngine:
                seconds: float, weights: list[float] | None) -> Proposal:
         """Cut the proposal to what the policy finds worth verifying (valid mask only)."""
         stats = [r.adapt for r in batch.rows]
-        if batch.steady:  # a call that caught up on plain steps' tokens would overstate drafting's cost
-            self.policy.draft_time.record(depth + slack(len(stats)), seconds)
+        # A call that caught up on plain steps' tokens is timed apart (DraftTimer.catch_up).
+        self.policy.draft_time.record(depth + slack(len(stats)), seconds, steady=batch.steady)
         batch.steady = True
         self.policy.observe_offers(stats, proposal.valid[:, :, 1:].any(dim=2).any(dim=1).tolist())
         # Sampled drafts (q) must not be cut by their own drawn tokens' confidences.

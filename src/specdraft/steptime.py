@@ -21,18 +21,33 @@ class DraftTimer:
 
     The first call is not recorded: it pays one-time costs (allocations, kernel selection;
     the shipped ReDrafter head: 13-19 ms against ~4.3 ms for every later call), and a depth
-    the policy then stops asking for would keep that reading for good."""
+    the policy then stops asking for would keep that reading for good.
+
+    Calls in steady state (the previous step drafted too) and calls that catch up (after
+    plain steps, or rows joining) are kept apart: a draft model first feeds every token made
+    since its last call, so at 16 rows a catch-up call took ~40 ms where a steady one takes
+    ~5. ``catch_up()`` prices a call after plain steps (a probe); a plan to draft from now
+    on is priced by the steady calls."""
 
     def __init__(self, weight: float = 0.2):
         self.weight, self.seconds = weight, {}
+        self.catch_up_seconds = None  # EWMA over catch-up calls of any depth
         self.calls = 0
 
-    def record(self, depth: int, seconds: float) -> None:
+    def record(self, depth: int, seconds: float, steady: bool = True) -> None:
         self.calls += 1
         if self.calls == 1:
             return
+        if not steady:
+            old = self.catch_up_seconds
+            self.catch_up_seconds = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
+            return
         old = self.seconds.get(depth)
         self.seconds[depth] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
+
+    def catch_up(self, depth: int) -> float:
+        """Estimate for a call at ``depth`` after plain steps: never below the steady one."""
+        return max(self(depth), self.catch_up_seconds or 0.0) if depth > 0 else 0.0
 
     def __call__(self, depth: int) -> float:
         """Estimate for ``depth`` (0: no call). Unseen depths scale the nearest seen one; never
