@@ -59,37 +59,33 @@ PRIOR_STRENGTH = 2.0  # pseudo-trials of the Beta prior per depth
 POOL_DECAY = 0.995
 DECAY = 0.95  # evidence weight kept per drafted step: about the last 20 steps count
 PROBE_START, PROBE_MAX = 8, 128  # steps off before a probe; doubles after a failed probe
-# Probes draft where the estimates say it does not pay, to find out whether that changed. A
-# probe pads the whole batch's tree (cost(2B), not cost(B)): rows taking turns made most steps
-# probes at batch 16 (0.85x plain decoding), so probes are paid from a credit of at most
-# EXPLORE_SHARE of the decode time and all due rows probe together. The share falls towards
-# EXPLORE_MIN while probes do not turn drafting on (``explore_share``; server at 4 rows, f32:
-# a 4 x 2 tree costs 1.5x a plain step, the head's probes never paid, 3% was the whole margin).
+# Probes draft where the estimates say it does not pay, to find out whether that changed. A probe
+# pads the whole batch's tree (cost(2B), not cost(B)): rows taking turns made most steps probes at
+# batch 16 (0.85x plain decoding), so probes are paid from a credit of at most EXPLORE_SHARE of the
+# decode time and all due rows probe together. The share falls towards EXPLORE_MIN while probes do
+# not turn drafting on (server, 4 rows, f32: the head's probes never paid, 3% was the whole margin).
 EXPLORE_SHARE, EXPLORE_MIN, PROBE_DECAY = 0.03, 0.005, 0.9
 PLAUSIBLE_RATE = 0.9  # the best rate a probe may find (lookup on repeated text); see probe_could_pay
 # A drafter whose proposals carry confidences and whose call costs at most this share of a
-# plain step may be asked where the rates say drafting does not pay ("a look"): ``choose``
-# keeps only what its calibrated confidences find worth verifying (often nothing). The rates
-# average ~20 steps; a beam's own probability tells this step's easy continuations from
-# hard ones (the head at batch 1 without looks: 0.95x its fixed 1x3). A ceiling only (whether
-# looks pay is measured per request, below); at 0.1 the head's call (~4.3 ms of a 32-44 ms
-# step) sat on the line and looks came and went with timing noise.
+# plain step may be asked where the rates say drafting does not pay ("a look"): ``choose`` keeps
+# only what its calibrated confidences find worth verifying (often nothing); a beam's own
+# probability tells this step's easy continuations from hard ones (the head at batch 1 without
+# looks: 0.95x its fixed 1x3). A ceiling only (looks are judged per request, below); at 0.1 the
+# head's call (~4.3 ms of a 32-44 ms step) sat on the line: looks came and went with noise.
 LOOK_SHARE = 0.25
 # Looks are judged on what they did: a look step that makes B + G tokens in s seconds saved
 # (B + G) / B * t_plain - s against plain decoding (t_plain: the modelled plain step). After
 # every LOOK_TRIAL looks of a request, a net loss pauses its looks for LOOK_PAUSE steps.
 LOOK_TRIAL, LOOK_PAUSE = 8, 32
-# Looks only for batches of at most this many rows. Measured (MT-Bench 16 x 128, bf16,
-# interleaved): at batch 1 looks took redrafter:default from 0.95x to 0.99x of its best fixed
-# shape; at batch 16 they made ``choose`` decide every step, its tree steps did not pay
-# (cost(32) is ~1.6x cost(16) and its values were optimistic there) and the head fell to
-# 0.76x plain decoding. Until choose is calibrated for large padded trees, one row only.
+# Looks only for batches of at most this many rows. Measured (MT-Bench 16 x 128, bf16, interleaved):
+# at batch 1 looks took redrafter:default from 0.95x to 0.99x of its best fixed shape; at batch 16
+# ``choose`` decided every step, its trees did not pay (cost(32) ~1.6x cost(16), its values were
+# optimistic) and the head fell to 0.76x plain decoding. Until choose is calibrated there, one row.
 LOOK_MAX_ROWS = 1
 MAX_DEPTH = 16
-# Batches that cannot look turn drafting on only where its expected rate beats a plain step's
-# by this much: at 16 rows a 16 x 2 tree modelled at 1.47x a plain step (really 1.55x) met
-# fresh rows' pooled rate 0.5 (gain 1.5x): marginal plans lost, the head 0.955x under
-# continuous batching with drafting off on 91% of steps.
+# Batches that cannot look turn drafting on only where its expected rate beats a plain step's by
+# this much: at 16 rows a 16 x 2 tree modelled at 1.47x a plain step (really 1.55x) met fresh rows'
+# pooled rate 0.5: marginal plans lost, the head 0.955x (server) with drafting off on 91% of steps.
 ON_MARGIN = 0.05
 SLACK = 1  # drafters may draft this much deeper than planned: confidences may justify it ...
 
@@ -255,9 +251,8 @@ class AdaptivePolicy:
     def seconds(self, rows: int, width: int, draft_depth: int = 0, drafted: float | None = None,
                 catch_up: bool = False):
         """n -> seconds of a step whose longest row verifies 1 + n tokens. Drafting: the
-        ``drafted`` seconds already spent this step (the same for every n), else the
-        timer's estimate for the depth the step would draft (``catch_up``: the estimate
-        for a call after plain steps, ``DraftTimer.catch_up``)."""
+        ``drafted`` seconds already spent this step (the same for every n), else the timer's
+        estimate for the depth the step would draft (a call after plain steps' if ``catch_up``)."""
         timer = self.draft_time.catch_up if catch_up else self.draft_time
         plain = self.cost(rows, width, rows) * self.step_ratio(False, rows)
         # Never below the curve's tree / plain relation: a ratio learnt on 3-token-a-row trees a
@@ -318,8 +313,8 @@ class AdaptivePolicy:
                 self.look_is_cheap(seconds, depth):
             self.looking = True
             return depth
-        self.probing = n == 0 and self.afford_probe(stats, counts, seconds, weights,
-                                                    self.seconds(len(stats), width, catch_up=True))
+        probe_seconds = self.seconds(len(stats), width, catch_up=True)
+        self.probing = n == 0 and self.afford_probe(stats, counts, seconds, weights, probe_seconds)
         self.probed_rows = len(stats) if self.probing else 0
         return 1 if self.probing else n
 
@@ -359,9 +354,8 @@ class AdaptivePolicy:
     def afford_probe(self, stats: list[RowStats], counts: list[int], seconds, weights=None,
                      probe_seconds=None) -> bool:
         """Whether some row is due for a probe, the credit pays for what it adds to this step
-        (probe_seconds(1) - seconds(0): the padded tree and a drafter call that first catches
-        up on the plain steps' tokens; default ``seconds``) and the probe could change the
-        plan (``probe_could_pay``); if so, spend the credit."""
+        (probe_seconds(1) - seconds(0): the padded tree and a catch-up drafter call) and the
+        probe could change the plan (``probe_could_pay``); if so, spend the credit."""
         if not any(s.probe_due for s in stats):
             return False
         extra = max((probe_seconds or seconds)(1) - seconds(0), 0.0)

@@ -148,11 +148,11 @@ class SpeculativeEngine:
         self._drop_finished(new, tell_drafter=False)  # e.g. max_new_tokens=1: done at prefill
         if not new.rows:
             return events
+        batch.steady = False  # the drafter's next call feeds the new rows' prompts
         if not batch.rows:
             self.drafter.start(new.ctx)
             batch.rows, batch.cache, batch.hidden, batch.ctx = new.rows, new.cache, new.hidden, new.ctx
             batch.recent, batch.features = new.recent, new.features
-            batch.steady = False
         else:
             batch.cache.extend(new.cache)
             batch.rows = batch.rows + new.rows
@@ -163,7 +163,6 @@ class SpeculativeEngine:
                 batch.features = torch.cat([batch.features, new.features])
             self.drafter.add_rows(new.ctx)
             batch.ctx = self._context(batch)
-            batch.steady = False  # the next call feeds the new rows' prompts
         for stage, secs in new.timer.seconds.items():
             batch.timer.seconds[stage] += secs
         return events
@@ -205,7 +204,7 @@ class SpeculativeEngine:
             depth = self.policy.plan(stats, ctx.budget, cache.width, weights)
             self.trace(self.policy, stats, depth, cache.width)
             if depth == 0:
-                batch.steady = False
+                batch.steady = False  # the drafter's next call catches up on this step's token
                 return self._plain_step(batch, proposed=False, started=step_start)
             ctx = replace(ctx, budget=ctx.budget.clamp(max=depth + 1 + slack(len(stats))))
         with timer("draft"):
@@ -277,8 +276,7 @@ class SpeculativeEngine:
                seconds: float, weights: list[float] | None) -> Proposal:
         """Cut the proposal to what the policy finds worth verifying (valid mask only)."""
         stats = [r.adapt for r in batch.rows]
-        # A call that caught up on plain steps' tokens is timed apart (DraftTimer.catch_up).
-        self.policy.draft_time.record(depth + slack(len(stats)), seconds, steady=batch.steady)
+        self.policy.draft_time.record(depth + slack(len(stats)), seconds, steady=batch.steady)  # DraftTimer.catch_up
         batch.steady = True
         self.policy.observe_offers(stats, proposal.valid[:, :, 1:].any(dim=2).any(dim=1).tolist())
         # Sampled drafts (q) must not be cut by their own drawn tokens' confidences.
@@ -288,9 +286,8 @@ class SpeculativeEngine:
 
     @staticmethod
     def _plain(proposal: Proposal) -> bool:
-        """Whether a proposal without drafted tokens may run as ``_plain_step`` (g0 alone, no
-        tree): always, since verifying g0 alone draws one token per sampling row from p, as
-        the plain step does (argmax for greedy rows), so neither can tell the other apart."""
+        """Whether a proposal without drafted tokens may run as ``_plain_step`` (g0 alone, no tree):
+        always; verifying g0 alone draws from p (argmax if greedy) exactly as the plain step does."""
         return not bool(proposal.valid[:, :, 1:].any())
 
     def _plain_step(self, batch: Batch, proposed: bool, started: float | None = None) -> list[StepEvent]:
