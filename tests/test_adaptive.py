@@ -16,8 +16,9 @@ import torch
 
 import test_sampling_exact as exact
 from drafters_for_tests import RandomBeamsDrafter
-from specdraft.adaptive import (ON_MARGIN, EXPLORE_MIN, EXPLORE_SHARE, PROBE_START, LOOK_MAX_ROWS, LOOK_PAUSE, LOOK_SHARE, LOOK_TRIAL, SLACK, AdaptivePolicy,
-                                RowStats, best_size, chain_gains, finish_weights)
+from specdraft.adaptive import (ON_MARGIN, EXPLORE_MIN, EXPLORE_SHARE, LOOK_MAX_ROWS, LOOK_PAUSE, LOOK_SHARE, LOOK_TRIAL, SLACK, AdaptivePolicy,
+                                best_size, chain_gains, finish_weights)
+from specdraft.rowstats import PROBE_START, RowStats
 from specdraft.costmodel import CostModel, cost_model_key, cost_model_path, load_cost_model
 from specdraft.drafters import LookupDrafter, NoDrafter
 from specdraft.drafters.base import DraftContext, Drafter, Proposal
@@ -768,3 +769,46 @@ def test_best_size_stops_early_without_changing_its_answer():
     calls.clear()
     assert best_size([chain_gains(s.rates(16)) for s in stats], [16] * 16, lambda n: calls.append(n) or 1.0 + 0.5 * n) == 0
     assert max(calls) <= 2
+
+
+def test_drafting_beyond_the_plan_only_where_one_more_depth_is_cheap():
+    """At batch 1 a drafter may draft SLACK deeper than planned (its confidences cut), but
+    only if one more depth costs at most SLACK_SHARE of a plain step: a draft model's extra
+    forward (~15% of a step) is priced into every plan, and it turned drafting off where
+    gamma = 1 alone pays. The plan is then priced at its own depth."""
+    stats, budget = [stats_with([0.2] * 8)], torch.tensor([5])
+    plain = FLAT4(1)
+    cheap, dear = AdaptivePolicy(FLAT4), AdaptivePolicy(FLAT4)
+    timed(cheap, 0.01 * plain, 1)  # per depth: 1% of a plain step, and 15% (a draft model's forward)
+    timed(dear, 0.15 * plain, 1)
+    cheap.draft_time.record(2, 0.02 * plain)
+    dear.draft_time.record(2, 0.30 * plain)
+    assert cheap.slack(1, plain) == SLACK and dear.slack(1, plain) == 0
+    assert cheap.slack(2, plain) == 0  # batches do not look, so they never draft beyond the plan
+    assert dear.seconds(1, 0)(1) == pytest.approx(plain + 0.15 * plain)  # one forward, not two
+    # a1 = 0.2: one drafted token for 1.15 plain steps pays (1.2 > 1.15); two forwards would not
+    assert dear.plan(stats, budget, 0) == 1 and dear.extra == 0
+    assert cheap.plan(stats, budget, 0) >= 1 and cheap.extra == SLACK
+
+
+def test_a_drafting_row_stops_only_when_its_rate_is_clearly_below_break_even():
+    """At batch 1 a row that drafted on its last step keeps drafting while its depth-1 rate
+    is within STAY_ON_SPREAD posterior deviations of break-even (a dip of ~20 decayed trials
+    is noise), and stops once it is clearly below; a row that was off turns on by the mean."""
+    step = FLAT4(1)
+    policy = AdaptivePolicy(FLAT4)
+    timed(policy, 0.15 * step, 1)  # break-even a1 = 0.15
+    policy.draft_time.record(2, 0.30 * step)  # one more depth: a draft model's forward (no slack)
+    budget = torch.tensor([2])
+
+    def row(hits: float, trials: float, off_streak: int = 0) -> RowStats:
+        s = RowStats(prior=0.26)
+        s.hits[0], s.trials[0], s.off_streak = hits, trials, off_streak
+        return s
+
+    dipped = row(2.0, 18.0)  # a_1 = (0.52 + 2) / 20 = 0.126, sd 0.072: within noise
+    assert policy.plan([dipped], budget, 0) == 1 and policy.must_verify and not policy.looking and not policy.probing
+    assert policy.plan([row(2.0, 18.0, off_streak=1)], budget, 0) == 0  # off: the mean decides
+    assert policy.plan([row(0.0, 60.0)], budget, 0) == 0  # a_1 = 0.008: clearly below
+    assert policy.plan([dipped] * 2, budget.repeat(2), 0) == 0  # batches: the means decide
+

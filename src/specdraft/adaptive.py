@@ -10,7 +10,7 @@ Three parts, all plain objects the engine takes (tests pass synthetic ones):
   (plain, tree) and batch size, measured step seconds over the curve's, so the overheads of
   tree steps (packing, masks, acceptance) and a machine busier than when the curve was
   measured are paid for.
-- ``RowStats``: one request's acceptance evidence. a_j = P(the drafted token at depth j is
+- ``rowstats.RowStats``: one request's acceptance evidence. a_j = P(the drafted token at depth j is
   accepted | depth j - 1 was) from decayed counts with a Beta prior (depth 1: the drafter's
   pooled evidence over the requests so far, from its ``acceptance_prior``; depth j's prior
   mean is depth j - 1's estimate), the row's offer rate (how often a drafter call drafts
@@ -44,108 +44,40 @@ import math
 import operator
 from collections import Counter
 from itertools import accumulate
-from dataclasses import dataclass, field
 
 import torch
 
 from .costmodel import CostModel
+from .rowstats import DECAY, MAX_DEPTH, POOL_DECAY, PRIOR_STRENGTH, PROBE_MAX, PROBE_START, RowStats
 from .steptime import DraftTimer, StepCostRatio
 from .tree import sibling_rank
 
-PRIOR_STRENGTH = 2.0  # pseudo-trials of the Beta prior per depth
-# A new request's prior: the drafter's pooled depth-1 evidence so far (this decay per drafted
-# row-step, ~the last 200), from its ``acceptance_prior``; a fixed prior cost every request
-# ~20 drafted steps to unlearn (the shipped draft model: 0.6 against 0.13 measured).
-POOL_DECAY = 0.995
-DECAY = 0.95  # evidence weight kept per drafted step: about the last 20 steps count
-PROBE_START, PROBE_MAX = 8, 128  # steps off before a probe; doubles after a failed probe
-# Probes draft where the estimates say it does not pay, to find out whether that changed. A probe
-# pads the whole batch's tree (cost(2B), not cost(B)): rows taking turns made most steps probes at
-# batch 16 (0.85x plain decoding), so probes are paid from a credit of at most EXPLORE_SHARE of the
-# decode time and all due rows probe together. The share falls towards EXPLORE_MIN while probes do
-# not turn drafting on (server, 4 rows, f32: the head's probes never paid, 3% was the whole margin).
+# Probes draft where the estimates say it does not pay, to find out whether that changed. One pads
+# the whole batch's tree (at 16 rows taking turns: 0.85x plain decoding), so due rows probe together,
+# paid from a credit of EXPLORE_SHARE of the decode time, falling to EXPLORE_MIN while probes fail.
 EXPLORE_SHARE, EXPLORE_MIN, PROBE_DECAY = 0.03, 0.005, 0.9
 PLAUSIBLE_RATE = 0.9  # the best rate a probe may find (lookup on repeated text); see probe_could_pay
-# A drafter whose proposals carry confidences and whose call costs at most this share of a
-# plain step may be asked where the rates say drafting does not pay ("a look"): ``choose`` keeps
-# only what its calibrated confidences find worth verifying (often nothing); a beam's own
-# probability tells this step's easy continuations from hard ones (the head at batch 1 without
-# looks: 0.95x its fixed 1x3). A ceiling only (looks are judged per request, below); at 0.1 the
-# head's call (~4.3 ms of a 32-44 ms step) sat on the line: looks came and went with noise.
+# A drafter with confidences whose call costs at most this share of a plain step may be asked where
+# the rates say drafting does not pay ("a look"): ``choose`` keeps what its calibrated confidences
+# find worth verifying (often nothing): the head at batch 1 without looks: 0.95x its fixed 1x3. A
+# ceiling only (looks are judged per request); at 0.1 the head's call (~4.3 ms of 32-44) sat on the line.
 LOOK_SHARE = 0.25
-# Looks are judged on what they did: a look step that makes B + G tokens in s seconds saved
-# (B + G) / B * t_plain - s against plain decoding (t_plain: the modelled plain step). After
-# every LOOK_TRIAL looks of a request, a net loss pauses its looks for LOOK_PAUSE steps.
+# A look step making B + G tokens in s seconds saved (B + G) / B * t_plain - s (t_plain: the modelled
+# plain step); every LOOK_TRIAL looks of a request, a net loss pauses its looks for LOOK_PAUSE steps.
 LOOK_TRIAL, LOOK_PAUSE = 8, 32
-# Looks only for batches of at most this many rows. Measured (MT-Bench 16 x 128, bf16, interleaved):
-# at batch 1 looks took redrafter:default from 0.95x to 0.99x of its best fixed shape; at batch 16
-# ``choose`` decided every step, its trees did not pay (cost(32) ~1.6x cost(16), its values were
-# optimistic) and the head fell to 0.76x plain decoding. Until choose is calibrated there, one row.
+# Looks only for batches of at most this many rows (MT-Bench 16 x 128, bf16): at batch 1 looks took
+# the head from 0.95x to 0.99x of its best fixed shape; at 16, ``choose`` deciding every step, its
+# trees did not pay (cost(32) ~1.6x cost(16), optimistic values): 0.76x plain decoding.
 LOOK_MAX_ROWS = 1
-MAX_DEPTH = 16
 # Batches that cannot look turn drafting on only where its expected rate beats a plain step's by
 # this much: at 16 rows a 16 x 2 tree modelled at 1.47x a plain step (really 1.55x) met fresh rows'
 # pooled rate 0.5: marginal plans lost, the head 0.955x (server) with drafting off on 91% of steps.
 ON_MARGIN = 0.05
-SLACK = 1  # drafters may draft this much deeper than planned: confidences may justify it ...
-
-
-def slack(rows: int) -> int:
-    """... in batches that may look (one row), where confidences are trusted to cut: at 4
-    rows, asked for one more token than planned on every step, the shipped head spent 1.7x
-    its fixed shape's drafting time (MT-Bench 20 x 128, 2026-11-26)."""
-    return SLACK if rows <= LOOK_MAX_ROWS else 0
-
-
-# ---- per-request acceptance evidence -----------------------------------------------------
-
-
-@dataclass
-class RowStats:
-    """One request's decayed acceptance counts and what the policy chose for it.
-
-    hits[j-1], trials[j-1]: drafted tokens at depth j accepted / tried (parent accepted)
-    seen, predicted: accepted children vs the sum of their confidences (for kappa)
-    """
-
-    prior: float
-    base: float = 0.5  # the drafter's own prior (``pooled`` starts from it)
-    fixed: bool = False  # seeded sampling with drafts that may be sampled: keep the fixed shape (new_row)
-    hits: list[float] = field(default_factory=lambda: [0.0] * MAX_DEPTH)
-    trials: list[float] = field(default_factory=lambda: [0.0] * MAX_DEPTH)
-    seen: float = 0.0
-    predicted: float = 0.0
-    off_streak: int = 0
-    probe_every: int = PROBE_START
-    off_steps: int = 0
-    offers: float = 0.0  # decayed drafter calls that drafted something for this row ...
-    calls: float = 0.0  # ... of decayed calls (a lookup finds no match on most steps)
-    look_saved: float = 0.0  # seconds the looks of the current trial saved (negative: lost)
-    look_count: int = 0  # looks in the current trial
-    look_pause: int = 0  # steps until this row may look again
-
-    @property
-    def offer_rate(self) -> float:
-        """P(a drafter call drafts anything for this row): prior 1 (every call), decayed
-        evidence. The a_j are rates given an offer; a plan weighs them by this."""
-        return (PRIOR_STRENGTH + self.offers) / (PRIOR_STRENGTH + self.calls)
-
-    def rates(self, depth: int) -> list[float]:
-        """a_1..a_depth: depth j's posterior mean, its prior mean being depth j-1's."""
-        out, mean = [], self.prior
-        for j in range(min(depth, MAX_DEPTH)):
-            mean = (PRIOR_STRENGTH * mean + self.hits[j]) / (PRIOR_STRENGTH + self.trials[j])
-            out.append(mean)
-        return out + [out[-1] if out else self.prior] * (depth - len(out))
-
-    @property
-    def kappa(self) -> float:
-        """Calibration of the drafter's confidences: accepted / predicted, prior 1."""
-        return (PRIOR_STRENGTH + self.seen) / (PRIOR_STRENGTH + self.predicted)
-
-    @property
-    def probe_due(self) -> bool:
-        return self.off_streak >= self.probe_every
+# Drafters may draft SLACK deeper than planned, where confidences may justify it: in batches that
+# may look (at 4 rows, one more token on every step cost the head 1.7x its fixed shape's drafting
+# time), and only if one more depth costs at most SLACK_SHARE of a plain step (``slack``).
+SLACK, SLACK_SHARE = 1, 0.05
+STAY_ON_SPREAD = 1.0  # posterior deviations a drafting row's rate must fall below break-even (stays_on)
 
 
 def best_size(gains: list[list[float]], counts: list[int], seconds, weights: list[float] | None = None) -> int:
@@ -225,11 +157,13 @@ class AdaptivePolicy:
         self.cost, self.prior = cost, prior
         self.draft_time = DraftTimer()
         self.step_ratio = StepCostRatio()
+        self.extra = 0  # depth the engine drafts beyond the plan this step (``slack``)
         self.probe_credit = 0.0  # seconds of exploration earned (explore_share of each step)
         self.probe_record: dict[int, tuple[float, float]] = {}  # batch bucket -> decayed (wins, probes)
         self.probed_rows = 0  # rows of the last plan's probe, judged at the next plan (0: none)
         self.probing = False  # the last plan drafted only because a probe was due and paid for
         self.looking = False  # the last plan drafted only to let the confidences choose
+        self.staying = False  # the last plan drafted only because its row had been (stays_on)
         self.confident = False  # the last proposal had confidences the policy could use
         self.pool_hits = self.pool_trials = 0.0  # decayed depth-1 evidence of every request (POOL_DECAY)
 
@@ -255,15 +189,24 @@ class AdaptivePolicy:
         estimate for the depth the step would draft (a call after plain steps' if ``catch_up``)."""
         timer = self.draft_time.catch_up if catch_up else self.draft_time
         plain = self.cost(rows, width, rows) * self.step_ratio(False, rows)
+        extra = self.slack(rows, plain)
         # Never below the curve's tree / plain relation: a ratio learnt on 3-token-a-row trees a
         # noisy curve put at 1.95x plain (really 1.6x) priced 2 a row at 1.26x (really 1.55x).
         tree = max(self.step_ratio(True, rows), self.step_ratio(False, rows))
 
         def step(n: int) -> float:
-            draft = drafted if drafted is not None else timer(draft_depth or (n and n + slack(rows)))
+            draft = drafted if drafted is not None else timer(draft_depth or (n and n + extra))
             # a tree step is never cheaper than a plain one (the ratios are estimates)
             return (max(self.cost(rows * (1 + n), width, rows) * tree, plain) if n else plain) + draft
         return step
+
+    def slack(self, rows: int, plain: float) -> int:
+        """Depth to draft beyond the plan (SLACK or 0), a plain step taking ``plain`` seconds: a
+        head's extra beam step ~1 ms (3% of a bf16 SmolLM2 step); a draft model's extra forward
+        ~5 ms (15%), which kept drafting off on 48% of MT-Bench steps at batch 1."""
+        if rows > LOOK_MAX_ROWS:
+            return 0
+        return SLACK if self.draft_time.per_depth() <= SLACK_SHARE * plain else 0
 
     def observe_step(self, tree: bool, rows: int, tokens: int, width: int, seconds: float) -> None:
         """A finished step of ``rows`` rows: ``tokens`` padded tree tokens over the batch (rows
@@ -294,7 +237,8 @@ class AdaptivePolicy:
         budget (B,): tokens a row may hold, g0 included (so it drafts <= budget - 1);
         weights: what each row's tokens are worth (``finish_weights``; None: 1 each).
         ``self.probing`` says whether the depth is a probe's (``afford_probe``)."""
-        self.probing = self.looking = False
+        self.probing = self.looking = self.staying = False
+        self.extra = 0
         counts = (budget - 1).clamp(min=0, max=MAX_DEPTH).tolist()
         depth = max(counts, default=0)
         if any(s.fixed for s in stats):  # never off: a fixed row's verification must not change
@@ -305,7 +249,10 @@ class AdaptivePolicy:
         # a match add nothing but still pad the tree): the rates are given an offer.
         gains = [[g * s.offer_rate for g in chain_gains(s.rates(depth))] for s in stats]
         seconds = self.seconds(len(stats), width)
+        self.extra = self.slack(len(stats), seconds(0))  # the engine drafts to depth + extra
         n = best_size(gains, counts, seconds, weights)
+        self.staying = n == 0 and self.stays_on(stats, counts, seconds, weights)
+        n = 1 if self.staying else n
         if n and len(stats) > LOOK_MAX_ROWS and not pays_clearly(gains, counts, seconds, weights, n):
             n = 0
         self.judge_probe(n)
@@ -317,6 +264,26 @@ class AdaptivePolicy:
         self.probing = n == 0 and self.afford_probe(stats, counts, seconds, weights, probe_seconds)
         self.probed_rows = len(stats) if self.probing else 0
         return 1 if self.probing else n
+
+    @staticmethod
+    def stays_on(stats: list[RowStats], counts: list[int], seconds, weights=None) -> bool:
+        """Whether a batch that may look (one row) and drafted on its last step drafts on
+        though its rates' means say off: it stops once depth 1's rate is below break-even by
+        STAY_ON_SPREAD posterior deviations. A rate rests on ~20 decayed trials (sd ~0.1): the
+        shipped draft model (0.26 against a 0.17 break-even at batch 1) dipped below on 38% of
+        MT-Bench steps, and the steps it kept accepted no more (0.265) than fixed gamma = 1's
+        all did (0.26): noise, not evidence, and 0.96x the fixed shape."""
+        if len(stats) > LOOK_MAX_ROWS or not all(s.off_streak == 0 and s.trials[0] for s in stats):
+            return False
+        depth = max(counts, default=0)
+        gains = [[g * s.offer_rate for g in chain_gains(s.rates(depth, STAY_ON_SPREAD))] for s in stats]
+        return best_size(gains, counts, seconds, weights) > 0
+
+    @property
+    def must_verify(self) -> bool:
+        """Whether this step's proposal must keep a drafted token (``choose``'s ``probe``):
+        the plan drafted to learn (a probe) or to stay on (``stays_on``), not for its means."""
+        return self.probing or self.staying
 
     def look_is_cheap(self, seconds, depth: int) -> bool:
         """Whether drafting to ``depth`` only to let the confidences choose costs at most
@@ -458,40 +425,16 @@ class AdaptivePolicy:
                 s.off_streak = s.off_streak + 1 if off else 0
                 s.off_steps += off
                 if off:  # evidence ages with the text, towards what the drafter does now (_forget)
-                    self._forget(s)
+                    s.forget()
                     s.prior = self.pooled(s.base)
                 continue
             probed = s.probe_due
             s.probe_every = PROBE_START if accepted[b] else (min(2 * s.probe_every, PROBE_MAX) if probed
                                                               else s.probe_every)
             s.off_streak = 0
-            self._count(s, offered[b], accepted[b], None if predicted is None else predicted[b].tolist())
+            s.count(offered[b], accepted[b], None if predicted is None else predicted[b].tolist())
             self.pool_hits = POOL_DECAY * self.pool_hits + float(accepted[b] > 0)
             self.pool_trials = POOL_DECAY * self.pool_trials + 1.0
-
-    @staticmethod
-    def _forget(s: RowStats) -> None:
-        """Decay a row's evidence one step. Also on steps off: a row whose rates dipped
-        below break-even would otherwise keep them (no drafting, no evidence) until a probe,
-        and at 4 rows, where the shipped head's one-token drafts gain 3-7% on average, the
-        policy sat off on 39% of row-steps; aged evidence returns to the pooled prior."""
-        for j in range(MAX_DEPTH):
-            s.hits[j] *= DECAY
-            s.trials[j] *= DECAY
-        s.seen *= DECAY
-        s.predicted *= DECAY
-
-    @staticmethod
-    def _count(s: RowStats, offered: int, accepted: int, predicted: list[float] | None) -> None:
-        AdaptivePolicy._forget(s)
-        for j in range(min(accepted + 1, offered, MAX_DEPTH)):  # depths 1..k+1 were tried
-            hit = float(j < accepted)
-            s.hits[j] += hit
-            s.trials[j] += 1
-            if predicted is not None and j + 1 < len(predicted) and not math.isnan(predicted[j + 1]):
-                s.seen += hit
-                s.predicted += predicted[j + 1]
-
 
 def depth_summary(hist: Counter | dict, off_steps: int) -> str:
     """'off 62% | depth 0:40 1:20 3:5' for stats lines."""

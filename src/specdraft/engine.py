@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 
 from .acceptance import Acceptance, accept_chain_sampling, accept_greedy, accept_tree_sampling
-from .adaptive import AdaptivePolicy, finish_weights, slack
+from .adaptive import AdaptivePolicy, finish_weights
 from .cache import CompactCache
 from .drafters.base import DraftContext, Drafter, Proposal
 from .errors import SpecdraftError
@@ -206,7 +206,7 @@ class SpeculativeEngine:
             if depth == 0:
                 batch.steady = False  # the drafter's next call catches up on this step's token
                 return self._plain_step(batch, proposed=False, started=step_start)
-            ctx = replace(ctx, budget=ctx.budget.clamp(max=depth + 1 + slack(len(stats))))
+            ctx = replace(ctx, budget=ctx.budget.clamp(max=depth + 1 + self.policy.extra))
         with timer("draft"):
             started = time.perf_counter()
             proposal = self._clip(self.drafter.propose(ctx), ctx.budget)
@@ -276,12 +276,12 @@ class SpeculativeEngine:
                seconds: float, weights: list[float] | None) -> Proposal:
         """Cut the proposal to what the policy finds worth verifying (valid mask only)."""
         stats = [r.adapt for r in batch.rows]
-        self.policy.draft_time.record(depth + slack(len(stats)), seconds, steady=batch.steady)  # DraftTimer.catch_up
+        self.policy.draft_time.record(depth + self.policy.extra, seconds, steady=batch.steady)  # DraftTimer.catch_up
         batch.steady = True
         self.policy.observe_offers(stats, proposal.valid[:, :, 1:].any(dim=2).any(dim=1).tolist())
         # Sampled drafts (q) must not be cut by their own drawn tokens' confidences.
         use_conf = ctx.greedy | (proposal.q is None)
-        valid = self.policy.choose(proposal, stats, use_conf, batch.cache.width, seconds, self.policy.probing, weights)
+        valid = self.policy.choose(proposal, stats, use_conf, batch.cache.width, seconds, self.policy.must_verify, weights)
         return replace(proposal, valid=valid)
 
     @staticmethod

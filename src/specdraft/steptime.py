@@ -49,6 +49,16 @@ class DraftTimer:
         """Estimate for a call at ``depth`` after plain steps: never below the steady one."""
         return max(self(depth), self.catch_up_seconds or 0.0) if depth > 0 else 0.0
 
+    def per_depth(self) -> float:
+        """Seconds one more depth adds: the slope between the two shallowest depths seen,
+        else the one seen depth's seconds over its depth (as if cost grew with depth); 0
+        before any call was timed."""
+        seen = sorted(self.seconds.items())
+        if len(seen) >= 2:
+            (d0, s0), (d1, s1) = seen[:2]
+            return max(s1 - s0, 0.0) / (d1 - d0)
+        return seen[0][1] / seen[0][0] if seen else 0.0
+
     def __call__(self, depth: int) -> float:
         """Estimate for ``depth`` (0: no call). Unseen depths scale the nearest seen one; never
         below a shallower depth's (drafting deeper is never cheaper: ``best_size`` relies on
