@@ -518,18 +518,19 @@ def test_step_costs_are_learnt_per_batch_size():
 
 
 def test_rows_a_drafter_rarely_drafts_for_are_weighed_by_how_often_it_does():
-    """Lookup's rates are given a match; a batch whose rows rarely match must not plan
-    trees (every row pads the tree, only matched rows gain): the plan weighs each row's
-    gains by its offer rate."""
+    """Lookup's rates are given a match; a 16-row batch whose rows rarely match must not
+    plan trees (some row matches on most steps, every row pads that tree, only matched rows
+    gain): the plan weighs each row's gains by its offer rate."""
     policy = AdaptivePolicy(LINEAR)
-    stats, budget = [stats_with([0.9] * 8) for _ in range(2)], torch.tensor([9, 9])
+    B = 16
+    stats, budget = [stats_with([0.9] * 8) for _ in range(B)], torch.full((B,), 9)
     assert policy.plan(stats, budget, 0) > 0  # 0.9 per token, every call drafting
     for _ in range(60):
-        policy.observe_offers(stats, [False, False])
+        policy.observe_offers(stats, [False] * B)
     assert stats[0].offer_rate < 0.1
     assert policy.plan(stats, budget, 0) == 0
     for _ in range(60):
-        policy.observe_offers(stats, [True, True])
+        policy.observe_offers(stats, [True] * B)
     assert policy.plan(stats, budget, 0) > 0
 
 
@@ -812,3 +813,22 @@ def test_a_drafting_row_stops_only_when_its_rate_is_clearly_below_break_even():
     assert policy.plan([row(0.0, 60.0)], budget, 0) == 0  # a_1 = 0.008: clearly below
     assert policy.plan([dipped] * 2, budget.repeat(2), 0) == 0  # batches: the means decide
 
+
+
+def test_a_plan_prices_the_plain_steps_of_calls_that_draft_nothing():
+    """A lookup drafts for a row on a minority of calls; when it drafts for no row the step
+    runs plain. Four rows offered on a quarter of calls each (no row: 0.75^4 = 32% of steps)
+    draft where the same expected gain from rows offered on every call does not pay."""
+    curve = CostModel([1, 16, 64], [1.0, 1.2, 4.0])
+    budget = torch.full((4,), 2)
+
+    def row(rate: float, offers: float) -> RowStats:
+        s = stats_with([rate] * 8)
+        s.offers, s.calls = offers, 6.0  # offer rate (2 + offers) / 8
+        return s
+
+    sometimes = [row(0.4, 0.0) for _ in range(4)]  # offered on 1 call in 4, a_1 = 0.4
+    always = [row(0.1, 6.0) for _ in range(4)]  # offered on every call, a_1 = 0.1: same gain
+    assert AdaptivePolicy(curve).plan(sometimes, budget, 0) == 1
+    assert AdaptivePolicy(curve).plan(always, budget, 0) == 0
+    assert AdaptivePolicy(curve).seconds(4, 0, offered=0.5)(1) == pytest.approx((curve(8) + curve(4)) / 2)

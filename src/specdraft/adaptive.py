@@ -183,10 +183,12 @@ class AdaptivePolicy:
         return (PRIOR_STRENGTH * base + self.pool_hits) / (PRIOR_STRENGTH + self.pool_trials)
 
     def seconds(self, rows: int, width: int, draft_depth: int = 0, drafted: float | None = None,
-                catch_up: bool = False):
+                catch_up: bool = False, offered: float = 1.0):
         """n -> seconds of a step whose longest row verifies 1 + n tokens. Drafting: the
         ``drafted`` seconds already spent this step (the same for every n), else the timer's
-        estimate for the depth the step would draft (a call after plain steps' if ``catch_up``)."""
+        estimate for the depth the step would draft (a call after plain steps' if ``catch_up``).
+        ``offered``: P(the call drafts for any row); if it drafts for none, the step runs plain
+        (a lookup without a match at 4 rows: priced as trees, its plans lost to its fixed shape)."""
         timer = self.draft_time.catch_up if catch_up else self.draft_time
         plain = self.cost(rows, width, rows) * self.step_ratio(False, rows)
         extra = self.slack(rows, plain)
@@ -197,7 +199,8 @@ class AdaptivePolicy:
         def step(n: int) -> float:
             draft = drafted if drafted is not None else timer(draft_depth or (n and n + extra))
             # a tree step is never cheaper than a plain one (the ratios are estimates)
-            return (max(self.cost(rows * (1 + n), width, rows) * tree, plain) if n else plain) + draft
+            verify = max(self.cost(rows * (1 + n), width, rows) * tree, plain) if n else plain
+            return offered * verify + (1 - offered) * plain + draft
         return step
 
     def slack(self, rows: int, plain: float) -> int:
@@ -248,7 +251,7 @@ class AdaptivePolicy:
         # A row's expected gain counts only calls that draft for it (a lookup's rows without
         # a match add nothing but still pad the tree): the rates are given an offer.
         gains = [[g * s.offer_rate for g in chain_gains(s.rates(depth))] for s in stats]
-        seconds = self.seconds(len(stats), width)
+        seconds = self.seconds(len(stats), width, offered=1 - math.prod(1 - s.offer_rate for s in stats))
         self.extra = self.slack(len(stats), seconds(0))  # the engine drafts to depth + extra
         n = best_size(gains, counts, seconds, weights)
         self.staying = n == 0 and self.stays_on(stats, counts, seconds, weights)
