@@ -351,15 +351,21 @@ def test_draft_calls_after_plain_steps_are_timed_apart(tiny_target):
 
 
 def test_a_probe_is_priced_with_the_catch_up_call():
-    """Steady calls cost 1 ms, calls after plain steps 50: the plan's step prices use the
-    former, a probe's the latter, so a credit that pays for a steady call's probe does not
-    pay for this one."""
+    """Steady calls cost 1 ms; a call after 10 plain steps 51 ms (a draft model feeding what
+    it missed): the plan's step prices use the former, a probe's the steady call plus 5 ms
+    per step missed, so a credit that pays for a steady call's probe does not pay for this
+    one, and a call after rows joined (gap 0: prompts, once) teaches nothing."""
     from specdraft.steptime import DraftTimer
 
     timer = DraftTimer()
-    for seconds, steady in ((9.0, True), (0.001, True), (0.05, False), (0.001, True)):
+    for seconds, steady in ((9.0, True), (0.001, True), (0.001, True)):
         timer.record(2, seconds, steady)  # the first call is never counted
-    assert timer(2) == pytest.approx(0.001) and timer.catch_up(2) == pytest.approx(0.05) and timer.catch_up(0) == 0
+    timer.gap = 10
+    timer.record(2, 0.051, steady=False)
+    timer.gap = 0
+    timer.record(2, 0.5, steady=False)  # rows joined
+    timer.gap = 20
+    assert timer(2) == pytest.approx(0.001) and timer.catch_up(2) == pytest.approx(0.101) and timer.catch_up(0) == 0
     policy = AdaptivePolicy(LINEAR)
     policy.draft_time = timer
     stats, budget = [stats_with([0.05] * 8) for _ in range(2)], torch.tensor([3, 3])
@@ -715,6 +721,30 @@ def test_probes_cost_at_most_the_exploration_share_at_any_batch_size():
     for _ in range(2000):
         n = policy.plan(stats, budget, 0)
         seconds = LINEAR(B * (1 + n))
+        total, plain = total + seconds, plain + LINEAR(B)
+        policy.observe(stats, [n] * B, [0] * B, None, off=n == 0)
+        policy.observe_step(n > 0, B, B * (1 + n), 0, seconds)
+    assert 1.0 < total / plain <= 1 + EXPLORE_SHARE + 1e-9
+
+
+def test_probes_pay_what_they_really_cost_whatever_their_estimate():
+    """A draft model's probe first feeds every token made since its last call, so its call
+    costs more the longer the rows were off (here 0.2 per step missed, 8% of a plain step:
+    the shipped draft at 16 rows feeds 16 tokens a step missed). Priced per step missed
+    (``DraftTimer.catch_up``) and billed at their measured cost (``settle_probe``), probes
+    take at most EXPLORE_SHARE of the decode time; priced by the latest catch-up calls, the
+    longer waits between failed probes made each one cost more than the last (1.06x plain)."""
+    policy = AdaptivePolicy(LINEAR)
+    B = 16
+    stats, budget = [stats_with([0.01] * 8) for _ in range(B)], torch.full((B,), 5)
+    plain = total = 0.0
+    for _ in range(3000):
+        n = policy.plan(stats, budget, 0)
+        seconds = LINEAR(B * (1 + n))
+        if n:
+            call = 0.2 * (1 + stats[0].off_streak)
+            policy.draft_time.record(n, call, steady=False)
+            total += call
         total, plain = total + seconds, plain + LINEAR(B)
         policy.observe(stats, [n] * B, [0] * B, None, off=n == 0)
         policy.observe_step(n > 0, B, B * (1 + n), 0, seconds)

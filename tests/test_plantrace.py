@@ -41,6 +41,8 @@ def test_trace_shows_drafting_off_when_every_token_costs_a_forward(tiny_target, 
     late = lines[len(lines) // 2:]
     assert sum(line["depth"] == 0 for line in late) >= 0.8 * len(late)
     assert all(line["depth"] > 0 for line in late if line["probe"])  # a probe drafts
+    # the catch-up a call would make: the steps the rows were off (no call in between)
+    assert all(line["catch_up"]["gap"] >= 1 for line in late if line["probe"])
 
 
 def test_no_trace_without_the_variable(tiny_target, tmp_path, monkeypatch):

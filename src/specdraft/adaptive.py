@@ -139,10 +139,12 @@ def finish_weights(remaining: list[int]) -> list[float]:
     return [w * scale for w in raw]
 
 
-def chain_gains(values: list[float]) -> list[float]:
+def chain_gains(values: list[float], offered: float = 1.0) -> list[float]:
     """[0, v1, v1 + v1 v2, ...]: expected accepted tokens of a chain's first k tokens, each
-    accepted with conditional probability v_j once its parent is."""
-    return list(accumulate(accumulate(values, operator.mul), initial=0.0))
+    accepted with conditional probability v_j once its parent is; times ``offered``, the
+    chance that the drafter drafts at all (``RowStats.offer_rate``)."""
+    return list(accumulate(accumulate(values, operator.mul), initial=0.0)) if offered == 1.0 else \
+        [offered * g for g in accumulate(accumulate(values, operator.mul), initial=0.0)]
 
 
 # ---- the policy --------------------------------------------------------------------------
@@ -159,6 +161,7 @@ class AdaptivePolicy:
         self.step_ratio = StepCostRatio()
         self.extra = 0  # depth the engine drafts beyond the plan this step (``slack``)
         self.probe_credit = 0.0  # seconds of exploration earned (explore_share of each step)
+        self.probe_bill: tuple[float, float] | None = None  # a probe's (charged, plain) seconds (settle_probe)
         self.probe_record: dict[int, tuple[float, float]] = {}  # batch bucket -> decayed (wins, probes)
         self.probed_rows = 0  # rows of the last plan's probe, judged at the next plan (0: none)
         self.probing = False  # the last plan drafted only because a probe was due and paid for
@@ -217,6 +220,19 @@ class AdaptivePolicy:
         excluded."""
         self.step_ratio.record(tree, rows, seconds, self.cost(tokens, width, rows))
         self.probe_credit += self.explore_share(rows) * seconds
+        self.settle_probe(seconds)
+
+    def settle_probe(self, seconds: float) -> None:
+        """After a probe step that took ``seconds`` (drafting excluded; its drafter call is the
+        timer's latest): bill the credit what the probe really added to the modelled plain step,
+        beyond what ``afford_probe`` charged, so probes cost their share of the decode time
+        whatever the estimates said (a draft model's call after a long plain stretch feeds
+        every token it missed, at 16 rows ~100 each)."""
+        if self.probe_bill is None:
+            return
+        charged, plain = self.probe_bill
+        self.probe_bill = None
+        self.probe_credit -= max(seconds + self.draft_time.last - plain, 0.0) - charged
 
     def explore_share(self, rows: int) -> float:
         """Share of step time earned as probe credit at this batch size: EXPLORE_SHARE while
@@ -242,6 +258,7 @@ class AdaptivePolicy:
         ``self.probing`` says whether the depth is a probe's (``afford_probe``)."""
         self.probing = self.looking = self.staying = False
         self.extra = 0
+        self.draft_time.gap = max((s.off_streak for s in stats), default=0)  # what a call now catches up on
         counts = (budget - 1).clamp(min=0, max=MAX_DEPTH).tolist()
         depth = max(counts, default=0)
         if any(s.fixed for s in stats):  # never off: a fixed row's verification must not change
@@ -250,7 +267,7 @@ class AdaptivePolicy:
             return 0
         # A row's expected gain counts only calls that draft for it (a lookup's rows without
         # a match add nothing but still pad the tree): the rates are given an offer.
-        gains = [[g * s.offer_rate for g in chain_gains(s.rates(depth))] for s in stats]
+        gains = [chain_gains(s.rates(depth), s.offer_rate) for s in stats]
         seconds = self.seconds(len(stats), width, offered=1 - math.prod(1 - s.offer_rate for s in stats))
         self.extra = self.slack(len(stats), seconds(0))  # the engine drafts to depth + extra
         n = best_size(gains, counts, seconds, weights)
@@ -279,7 +296,7 @@ class AdaptivePolicy:
         if len(stats) > LOOK_MAX_ROWS or not all(s.off_streak == 0 and s.trials[0] for s in stats):
             return False
         depth = max(counts, default=0)
-        gains = [[g * s.offer_rate for g in chain_gains(s.rates(depth, STAY_ON_SPREAD))] for s in stats]
+        gains = [chain_gains(s.rates(depth, STAY_ON_SPREAD), s.offer_rate) for s in stats]
         return best_size(gains, counts, seconds, weights) > 0
 
     @property
@@ -317,7 +334,7 @@ class AdaptivePolicy:
         At 4 rows, lookup's rows (offered on a minority of calls) rarely could, and a logged
         run spent 9% of its steps on probes (each pads every row's tree)."""
         depth = max(counts, default=0)
-        gains = [[g * s.offer_rate for g in chain_gains([PLAUSIBLE_RATE] * depth if s.probe_due else s.rates(depth))]
+        gains = [chain_gains([PLAUSIBLE_RATE] * depth if s.probe_due else s.rates(depth), s.offer_rate)
                  for s in stats]
         return best_size(gains, counts, seconds, weights) > 0
 
@@ -333,6 +350,8 @@ class AdaptivePolicy:
         if self.probe_credit < extra or not self.probe_could_pay(stats, counts, seconds, weights):
             return False
         self.probe_credit -= extra
+        self.probe_bill = (extra, seconds(0))
+        self.draft_time.last = 0.0  # a probe step whose drafter call is not timed bills no call
         return True
 
     def node_values(self, proposal, stats: list[RowStats], use_conf: torch.Tensor, owner: torch.Tensor):

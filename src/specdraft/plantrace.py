@@ -45,6 +45,7 @@ class PlanTrace:
             "s": [round(seconds(n), 4) for n in range(3)],
             "ratio": {"plain": round(policy.step_ratio(False, rows), 3), "tree": round(policy.step_ratio(True, rows), 3)},
             "credit": round(policy.probe_credit, 4), "share": round(policy.explore_share(rows), 4),
+            "catch_up": {"gap": policy.draft_time.gap, "per_step": round(policy.draft_time.per_step, 5)},
         }
         with open(self.path, "a") as f:  # one line per step: a crash loses nothing before it
             f.write(json.dumps(record) + "\n")

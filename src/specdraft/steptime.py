@@ -26,28 +26,35 @@ class DraftTimer:
     Calls in steady state (the previous step drafted too) and calls that catch up (after
     plain steps, or rows joining) are kept apart: a draft model first feeds every token made
     since its last call, so at 16 rows a catch-up call took ~40 ms where a steady one takes
-    ~5. ``catch_up()`` prices a call after plain steps (a probe); a plan to draft from now
-    on is priced by the steady calls."""
+    ~5, and more the longer the rows were off. ``catch_up()`` prices a call after ``gap``
+    plain steps (a probe) as the steady call plus ``per_step`` seconds per step missed,
+    learnt from calls after plain steps (calls after rows joined feed whole prompts, once:
+    not recorded); a plan to draft from now on is priced by the steady calls."""
 
     def __init__(self, weight: float = 0.2):
         self.weight, self.seconds = weight, {}
-        self.catch_up_seconds = None  # EWMA over catch-up calls of any depth
+        self.per_step = 0.0  # EWMA: a catch-up call's seconds beyond a steady one, per plain step missed
+        self.gap = 0  # plain steps the next call catches up on (set by the policy's plan)
         self.calls = 0
+        self.last = 0.0  # seconds of the latest call (a probe is billed with it)
 
     def record(self, depth: int, seconds: float, steady: bool = True) -> None:
         self.calls += 1
+        self.last = seconds
         if self.calls == 1:
             return
         if not steady:
-            old = self.catch_up_seconds
-            self.catch_up_seconds = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
+            if self.gap > 0:  # after plain steps, not (only) rows joining
+                reading = max(seconds - self(depth), 0.0) / self.gap
+                self.per_step = (1 - self.weight) * self.per_step + self.weight * reading if self.per_step else reading
             return
         old = self.seconds.get(depth)
         self.seconds[depth] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
 
     def catch_up(self, depth: int) -> float:
-        """Estimate for a call at ``depth`` after plain steps: never below the steady one."""
-        return max(self(depth), self.catch_up_seconds or 0.0) if depth > 0 else 0.0
+        """Estimate for a call at ``depth`` after ``gap`` plain steps: the steady call's plus
+        ``per_step`` per step missed."""
+        return self(depth) + self.per_step * self.gap if depth > 0 else 0.0
 
     def per_depth(self) -> float:
         """Seconds one more depth adds: the slope between the two shallowest depths seen,
