@@ -143,8 +143,7 @@ def chain_gains(values: list[float], offered: float = 1.0) -> list[float]:
     """[0, v1, v1 + v1 v2, ...]: expected accepted tokens of a chain's first k tokens, each
     accepted with conditional probability v_j once its parent is; times ``offered``, the
     chance that the drafter drafts at all (``RowStats.offer_rate``)."""
-    return list(accumulate(accumulate(values, operator.mul), initial=0.0)) if offered == 1.0 else \
-        [offered * g for g in accumulate(accumulate(values, operator.mul), initial=0.0)]
+    return [offered * g for g in accumulate(accumulate(values, operator.mul), initial=0.0)]
 
 
 # ---- the policy --------------------------------------------------------------------------
