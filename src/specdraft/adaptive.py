@@ -48,7 +48,7 @@ from itertools import accumulate
 import torch
 
 from .costmodel import CostModel
-from .rowstats import DECAY, MAX_DEPTH, POOL_DECAY, PRIOR_STRENGTH, PROBE_MAX, PROBE_START, RowStats
+from .rowstats import DECAY, MAX_DEPTH, POOL_DECAY, PRIOR_STRENGTH, PROBE_MAX, PROBE_START, RateSpread, RowStats
 from .steptime import DraftTimer, StepCostRatio
 from .tree import sibling_rank
 
@@ -168,16 +168,18 @@ class AdaptivePolicy:
         self.staying = False  # the last plan drafted only because its row had been (stays_on)
         self.confident = False  # the last proposal had confidences the policy could use
         self.pool_hits = self.pool_trials = 0.0  # decayed depth-1 evidence of every request (POOL_DECAY)
+        self.spread = RateSpread()  # how far a request's depth-1 rate strays from the pool
 
     def new_row(self, drafter, params=None) -> RowStats:
         """Stats for a new request. A seeded request keeps the fixed shape if its drafts
         may be sampled: how deep they are verified changes its text (deterministic drafts
         never do, docs/engine.md), so adapting would tie a seed's output to timings.
-        Depth 1's prior: the pooled evidence of the requests so far (``POOL_DECAY``)."""
+        Depth 1's prior: the pooled evidence of the requests so far (``POOL_DECAY``), as
+        strong as the rates' spread between windows of text says (``RateSpread``)."""
         base = self.prior if self.prior is not None else getattr(drafter, "acceptance_prior", 0.5)
         base = min(max(float(base), 0.0), 1.0)
         fixed = params is not None and params.seeded and drafter.may_sample_drafts()
-        return RowStats(prior=self.pooled(base), base=base, fixed=fixed)
+        return RowStats(prior=self.pooled(base), strength=self.spread.strength(), base=base, fixed=fixed)
 
     def pooled(self, base: float) -> float:
         """The drafter's pooled depth-1 rate so far, its own prior ``base`` counting as
@@ -447,13 +449,16 @@ class AdaptivePolicy:
                 s.off_steps += off
                 if off:  # evidence ages with the text, towards what the drafter does now (_forget)
                     s.forget()
-                    s.prior = self.pooled(s.base)
+                    s.prior, s.strength = self.pooled(s.base), self.spread.strength()
                 continue
             probed = s.probe_due
             s.probe_every = PROBE_START if accepted[b] else (min(2 * s.probe_every, PROBE_MAX) if probed
                                                               else s.probe_every)
             s.off_streak = 0
             s.count(offered[b], accepted[b], None if predicted is None else predicted[b].tolist())
+            if (window := s.full_window()) is not None:
+                self.spread.add(*window)
+                s.strength = self.spread.strength()  # a long request (the server's) learns it too
             self.pool_hits = POOL_DECAY * self.pool_hits + float(accepted[b] > 0)
             self.pool_trials = POOL_DECAY * self.pool_trials + 1.0
 

@@ -4,11 +4,12 @@ Set ``SPECDRAFT_PLAN_TRACE=FILE`` (any process that runs the engine: ``generate`
 ``serve``) and every planned step appends one JSON line to FILE:
 
     {"pid": 4711, "t": 12.503, "rows": 16, "depth": 1, "probe": false, "look": false,
-     "a1": [0.41, ...], "offer": [0.93, ...], "pool": 0.47, "s": [0.141, 0.211, 0.262],
+     "a1": [0.41, ...], "k1": [2.0, ...], "offer": [0.93, ...], "pool": 0.47, "s": [0.141, 0.211, 0.262],
      "ratio": {"plain": 1.02, "tree": 1.11}, "credit": 0.004, "share": 0.03}
 
 pid: the process (several servers may share one FILE); t: seconds since this engine's
-first traced step; a1, offer: each row's depth-1 rate and offer rate (``RowStats``); pool:
+first traced step; a1, k1, offer: each row's depth-1 rate, the strength of its prior in
+trials (``RateSpread``) and its offer rate (``RowStats``); pool:
 the pooled depth-1 rate a new request starts from; s: the modelled seconds of a step
 verifying 1, 2, 3 tokens per row (``AdaptivePolicy.seconds``); ratio: the step-cost ratios
 at this batch size; credit / share: the probe credit and its share.
@@ -39,7 +40,7 @@ class PlanTrace:
         record = {
             "pid": os.getpid(), "t": round(now - self.start, 3), "rows": rows, "depth": depth,
             "probe": policy.probing, "look": policy.looking,
-            "a1": [round(s.rates(1)[0], 3) for s in stats],
+            "a1": [round(s.rates(1)[0], 3) for s in stats], "k1": [round(s.strength, 1) for s in stats],
             "offer": [round(s.offer_rate, 3) for s in stats],
             "pool": round(policy.pooled(stats[0].base), 3) if stats else None,
             "s": [round(seconds(n), 4) for n in range(3)],
