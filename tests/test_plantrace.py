@@ -28,7 +28,9 @@ def test_trace_has_one_line_per_planned_step(tiny_target, tmp_path, monkeypatch)
     steps = max(r.steps for r in res)
     assert 0 < len(lines) <= steps - 1  # every step after prefill plans, while rows remain
     first = lines[0]
-    assert first["rows"] == 2 and len(first["a1"]) == len(first["offer"]) == 2 and first["pid"] == os.getpid()
+    assert first["rows"] == 2 and len(first["a1"]) == len(first["offer"]) == len(first["k1"]) == 2
+    assert first["pid"] == os.getpid() and first["drafter"] == "LookupDrafter"
+    assert all(k >= 2.0 for line in lines for k in line["k1"])  # the prior's strength, in trials
     assert all(0.0 <= a <= 1.0 for line in lines for a in line["a1"] + line["offer"])
     assert all(line["s"][0] <= line["s"][1] for line in lines)  # a tree step is never cheaper than a plain one
     assert [line["t"] for line in lines] == sorted(line["t"] for line in lines)

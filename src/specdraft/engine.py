@@ -70,7 +70,7 @@ class SpeculativeEngine:
         self.policy = policy
         if policy is not None:
             drafter.fit_shape(policy.cost)  # a default shape may widen where the policy can prune it
-        self.trace = PlanTrace()  # SPECDRAFT_PLAN_TRACE=FILE: the policy's decisions, one JSON line per step
+        self.trace = PlanTrace(drafter=type(drafter).__name__)  # SPECDRAFT_PLAN_TRACE=FILE: one JSON line per step
         if max_tree_tokens == "auto":
             max_tree_tokens = 8 if target.device.type == "cpu" and policy is None else None
         self.max_tree_tokens = max_tree_tokens

@@ -3,11 +3,12 @@
 Set ``SPECDRAFT_PLAN_TRACE=FILE`` (any process that runs the engine: ``generate``, ``bench``,
 ``serve``) and every planned step appends one JSON line to FILE:
 
-    {"pid": 4711, "t": 12.503, "rows": 16, "depth": 1, "probe": false, "look": false,
+    {"pid": 4711, "drafter": "LookupDrafter", "t": 12.503, "rows": 16, "depth": 1, "probe": false, "look": false,
      "a1": [0.41, ...], "k1": [2.0, ...], "offer": [0.93, ...], "pool": 0.47, "s": [0.141, 0.211, 0.262],
      "ratio": {"plain": 1.02, "tree": 1.11}, "credit": 0.004, "share": 0.03}
 
-pid: the process (several servers may share one FILE); t: seconds since this engine's
+pid: the process (several servers may share one FILE); drafter: the engine's drafter class
+(a lockstep bench runs several engines in one process); t: seconds since this engine's
 first traced step; a1, k1, offer: each row's depth-1 rate, the strength of its prior in
 trials (``RateSpread``) and its offer rate (``RowStats``); pool:
 the pooled depth-1 rate a new request starts from; s: the modelled seconds of a step
@@ -26,9 +27,9 @@ import time
 class PlanTrace:
     """Appends the policy's per-step decision to the file named by SPECDRAFT_PLAN_TRACE."""
 
-    def __init__(self, path: str | None = None):
+    def __init__(self, path: str | None = None, drafter: str = ""):
         self.path = path if path is not None else os.environ.get("SPECDRAFT_PLAN_TRACE") or None
-        self.start = None
+        self.start, self.drafter = None, drafter
 
     def __call__(self, policy, stats, depth: int, width: int) -> None:
         if self.path is None:
@@ -38,7 +39,7 @@ class PlanTrace:
         rows = len(stats)
         seconds = policy.seconds(rows, width)
         record = {
-            "pid": os.getpid(), "t": round(now - self.start, 3), "rows": rows, "depth": depth,
+            "pid": os.getpid(), "drafter": self.drafter, "t": round(now - self.start, 3), "rows": rows, "depth": depth,
             "probe": policy.probing, "look": policy.looking,
             "a1": [round(s.rates(1)[0], 3) for s in stats], "k1": [round(s.strength, 1) for s in stats],
             "offer": [round(s.offer_rate, 3) for s in stats],
