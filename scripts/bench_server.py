@@ -144,9 +144,10 @@ class Server:
     def __enter__(self) -> "Server":
         self.proc = subprocess.Popen(self.cmd, stderr=subprocess.PIPE, text=True)
         seen = []
-        for line in self.proc.stderr:  # "specdraft: serving NAME (drafter D) on http://HOST:PORT"
+        for line in self.proc.stderr:  # "specdraft: serving NAME (drafter D, DTYPE, linear L) on http://HOST:PORT"
             if line.startswith("specdraft: serving "):
                 self.url = line.rsplit(" on ", 1)[1].strip()
+                print("started:", line.strip().removeprefix("specdraft: "), flush=True)  # dtype, layout
                 # Keep reading its log, or a full pipe would block the server.
                 threading.Thread(target=self.proc.stderr.read, daemon=True).start()
                 return self

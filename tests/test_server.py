@@ -544,10 +544,12 @@ def test_bad_option_is_one_error_line(capsys):
 
 
 def announced_url(proc) -> str:
-    """The address from "specdraft: serving NAME (drafter D) on http://127.0.0.1:PORT"."""
+    """The address from "specdraft: serving NAME (drafter D, DTYPE, linear LAYOUT) on
+    http://127.0.0.1:PORT" (the dtype and few-row layout tell a slow server's cause)."""
     seen = []
     for line in proc.stderr:
         if line.startswith("specdraft: serving "):
+            assert ", float32, linear " in line or ", bfloat16, linear " in line, line
             return line.rsplit(" on ", 1)[1].strip()
         seen.append(line)
     raise AssertionError("the server did not start:\n" + "".join(seen))

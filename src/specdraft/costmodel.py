@@ -146,11 +146,8 @@ def cost_model_key(target) -> str:
     whether the target runs compiled (``Target.compile``: up to ~2x faster forwards)."""
     from . import fastpath
 
-    layout = fastpath.CHOSEN.get(target.dtype, fastpath.LAYOUTS.get(target.dtype))
-    if layout == fastpath.PACKED and target.dtype in fastpath.ROW_LIMIT:
-        layout += f"<={fastpath.ROW_LIMIT[target.dtype]}"  # rows packed: what it covers changes the curve
     return (f"{target.name}|{target.dtype}|{target.device}|threads={torch.get_num_threads()}|"
-            f"torch={torch.__version__}|linear={layout or 'stock'}|cost={FORMAT}"
+            f"torch={torch.__version__}|linear={fastpath.layout_name(target.dtype)}|cost={FORMAT}"
             + ("|compiled" if getattr(target, "compiled", False) else ""))
 
 

@@ -193,6 +193,16 @@ def choose_layout(weight: torch.Tensor, probes: tuple[torch.Tensor, ...] = ()) -
     return CHOSEN[dtype]
 
 
+def layout_name(dtype: torch.dtype) -> str:
+    """The layout this process uses for ``dtype`` as a word ("stock", "transposed", "packed<=32"):
+    in the cost model's cache key and the server's start-up line (a process that chose stock
+    where the candidate is faster runs few-row forwards up to ~2.8x slower)."""
+    layout = CHOSEN.get(dtype, LAYOUTS.get(dtype))
+    if layout == PACKED and dtype in ROW_LIMIT:
+        layout += f"<={ROW_LIMIT[dtype]}"  # rows packed: what it covers changes the curve
+    return layout or "stock"
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, holder=None) -> torch.Tensor:
     """F.linear(x, weight, bias); inside ``active()`` on CPU through the layout chosen for the
     weight's dtype. ``holder`` (any object taking attributes, e.g. the module) keeps the

@@ -120,7 +120,11 @@ def run_serve(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size, max_queue=args.max_queue,
         request_timeout=args.request_timeout or None, default_max_tokens=args.default_max_tokens)
     server = make_server(create_app(engine, options), sock, args.shutdown_timeout, args.log_level)
-    print(f"specdraft: serving {options.model_name} (drafter {args.drafter}) on {url_of(sock)}",
+    from ..fastpath import layout_name
+
+    dtype = engine.target.dtype  # and the few-row layout it runs: a slow one slows every step
+    print(f"specdraft: serving {options.model_name} (drafter {args.drafter}, {str(dtype).removeprefix('torch.')}, "
+          f"linear {layout_name(dtype)}) on {url_of(sock)}",
           file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     return 0
