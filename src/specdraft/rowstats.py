@@ -5,9 +5,9 @@ with a Beta prior of PRIOR_STRENGTH pseudo-trials: depth 1's prior mean is the d
 pooled evidence over the requests so far (``AdaptivePolicy.pooled``), depth j's is depth
 j - 1's estimate. Example: prior 0.3, 10 depth-1 trials with 2 hits -> a_1 = (2 x 0.3 + 2) /
 (2 + 10) = 0.217. Depth 1's prior weighs more than PRIOR_STRENGTH trials where the drafter's
-rate is known to vary little from stretch to stretch of text (``RateSpread``). Beside the a_j: the offer rate (how often a drafter call drafts anything
-for this row; the a_j are given an offer) and kappa, the calibration of the drafter's own
-per-token confidences.
+rate is known to vary little from stretch to stretch of text (``RateSpread``). Beside the
+a_j: the offer rate (how often a drafter call drafts anything for this row; the a_j are
+given an offer) and kappa, the calibration of the drafter's own per-token confidences.
 """
 
 from __future__ import annotations
