@@ -69,6 +69,8 @@ def main() -> None:
                     help="measure every (drafter, level) this many times, interleaved (all servers stay up, "
                          "idle between their turns); the table gives medians")
     args = ap.parse_args()
+    if args.out:  # written after every round: a missing folder must not lose the first one
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     levels = [int(x) for x in args.concurrency.split(",")]
     counts = [int(x) for x in args.requests.split(",")]
     if len(counts) not in (1, len(levels)):
