@@ -7,6 +7,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
+import time
 from collections import Counter
 from functools import partial
 from itertools import accumulate
@@ -293,6 +295,56 @@ def test_cost_model_is_cached_on_disk(tiny_target, tmp_path, monkeypatch):
     cost_model_path(tiny_target).write_text("{broken")
     load_cost_model(tiny_target, measure=fake_measure)
     assert len(calls) == 3
+
+
+def test_a_cost_model_measured_beside_another_job_is_not_cached(tiny_target, tmp_path, monkeypatch, capsys):
+    """A curve timed while other processes load the CPU prices every later run wrongly
+    (a busy spell's 4-row curve put a 2-token tree at 1.18x a plain step, a quiet one at
+    1.31x): it serves the run that measured it, is not cached, and a warning says so."""
+    from specdraft import timing
+
+    monkeypatch.setenv("SPECDRAFT_COST_CACHE", str(tmp_path))
+    calls = []
+
+    def fake_measure(target):
+        calls.append(1)
+        return CostModel([1, 2], [0.01, 0.02], key=cost_model_key(target))
+
+    monkeypatch.setattr(timing.OtherLoad, "share", lambda self: 0.4)
+    model = load_cost_model(tiny_target, measure=fake_measure)
+    assert model.seconds == [0.01, 0.02] and not cost_model_path(tiny_target).exists()
+    assert "other processes used 40% of the CPU" in capsys.readouterr().err
+    load_cost_model(tiny_target, measure=fake_measure)
+    assert len(calls) == 2  # measured again: nothing was kept
+    monkeypatch.setattr(timing.OtherLoad, "share", lambda self: 0.02)  # a quiet machine
+    load_cost_model(tiny_target, measure=fake_measure)
+    load_cost_model(tiny_target, measure=fake_measure)
+    assert len(calls) == 3 and cost_model_path(tiny_target).exists()
+
+
+def test_other_processes_cpu_share_is_read_from_the_machines_counters(tmp_path):
+    """/proc/stat's busy ticks (user ... steal, not idle or iowait) less this process's own
+    CPU time, over wall time x CPUs."""
+    from specdraft.timing import OtherLoad, machine_busy_seconds
+
+    hz = os.sysconf("SC_CLK_TCK")
+    stat = tmp_path / "stat"
+
+    def write(busy_ticks: int) -> None:  # 2 CPUs; idle and iowait grow too and must not count
+        stat.write_text(f"cpu  {busy_ticks} 0 0 {5 * busy_ticks} {busy_ticks} 0 0 0 0 0\n"
+                        "cpu0 0 0 0 0 0 0 0 0 0 0\ncpu1 0 0 0 0 0 0 0 0 0 0\nintr 0\n")
+
+    write(100 * hz)
+    assert machine_busy_seconds(str(stat)) == (pytest.approx(100.0), 2)
+    assert machine_busy_seconds(str(tmp_path / "absent")) is None
+    load = OtherLoad(str(stat))
+    assert load.share() is None  # too soon to say
+    write(101 * hz)  # one busy CPU second of others' during the wait below
+    start = time.perf_counter()
+    time.sleep(0.6)
+    wall = time.perf_counter() - start
+    share = load.share()
+    assert 1.0 / (2 * (wall + 0.5)) < share <= 1.0 / (2 * wall)  # ~0.8 at 0.6 s; own sleep costs ~no CPU
 
 
 # ---- through the engine -------------------------------------------------------------------

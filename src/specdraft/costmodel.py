@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,8 +37,10 @@ COST_LONG_PREFIX = 640  # a second, shorter curve here gives the attention term
 COST_LONG_TOKENS = (1, 8, 32)
 BATCH_ROWS = (4, 16)  # batch sizes with their own curve (batch 1: the main curve)
 BATCH_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16)  # tokens per row measured at those batch sizes
-FORMAT = 4  # 2: with batch curves; 3: paired within rounds; 4: tree attention without repeated
-# key/value heads (fastpath.masked_gqa_sdpa: trees got cheaper). An older cached model is measured again
+BUSY_SHARE = 0.1  # others' share of the CPU above which a measured model is not cached (load_cost_model)
+FORMAT = 5  # 2: with batch curves; 3: paired within rounds; 4: tree attention without repeated
+# key/value heads (fastpath.masked_gqa_sdpa: trees got cheaper); 5: kept only if measured on a
+# quiet machine (BUSY_SHARE): an older cached model may be a busy spell's, so it is measured again
 
 
 @dataclass
@@ -202,7 +205,11 @@ def measure_batches(target, prefix: int, trials: int, rows=BATCH_ROWS, tokens=BA
 
 def load_cost_model(target, refresh: bool = False, measure=measure_cost_model) -> CostModel:
     """The cached cost model of ``target`` on this machine; measured (and cached) on first
-    use or when ``refresh``. A damaged cache file is measured again."""
+    use or when ``refresh``. A damaged cache file is measured again. A model measured while
+    other processes used more than ``BUSY_SHARE`` of the CPU serves this run but is not
+    cached (a warning says so): cached, a busy spell's curve would price every later run."""
+    from .timing import OtherLoad
+
     path = cost_model_path(target)
     if not refresh:
         try:
@@ -211,7 +218,13 @@ def load_cost_model(target, refresh: bool = False, measure=measure_cost_model) -
                 return model
         except (OSError, ValueError, KeyError, TypeError, SpecdraftError):
             pass
+    load = OtherLoad()
     model = measure(target)
+    busy = load.share()
+    if busy is not None and busy > BUSY_SHARE:
+        print(f"specdraft: warning: other processes used {busy:.0%} of the CPU while the cost model of "
+              f"{target.name} was measured; it is used for this run but not cached", file=sys.stderr)
+        return model
     from .bench.store import write_json_atomic
 
     try:
