@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .errors import SpecdraftError
+
+log = logging.getLogger("specdraft.costmodel")
 
 COST_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 COST_PREFIX = 128  # cached tokens of the main curve
@@ -207,7 +209,8 @@ def load_cost_model(target, refresh: bool = False, measure=measure_cost_model) -
     """The cached cost model of ``target`` on this machine; measured (and cached) on first
     use or when ``refresh``. A damaged cache file is measured again. A model measured while
     other processes used more than ``BUSY_SHARE`` of the CPU serves this run but is not
-    cached (a warning says so): cached, a busy spell's curve would price every later run."""
+    cached (logged at INFO): cached, a busy spell's curve would price every later run, and
+    the next use measures it again."""
     from .timing import OtherLoad
 
     path = cost_model_path(target)
@@ -221,9 +224,9 @@ def load_cost_model(target, refresh: bool = False, measure=measure_cost_model) -
     load = OtherLoad()
     model = measure(target)
     busy = load.share()
-    if busy is not None and busy > BUSY_SHARE:
-        print(f"specdraft: warning: other processes used {busy:.0%} of the CPU while the cost model of "
-              f"{target.name} was measured; it is used for this run but not cached", file=sys.stderr)
+    if busy is not None and busy > BUSY_SHARE:  # logged, not printed: a CLI's stderr stays its own
+        log.info("other processes used %.0f%% of the CPU while the cost model of %s was measured; "
+                 "used for this run, not cached", 100 * busy, target.name)
         return model
     from .bench.store import write_json_atomic
 
