@@ -339,6 +339,8 @@ def test_other_processes_cpu_share_is_read_from_the_machines_counters(tmp_path):
     write(100 * hz)
     assert machine_busy_seconds(str(stat)) == (pytest.approx(100.0), 2)
     assert machine_busy_seconds(str(tmp_path / "absent")) is None
+    (tmp_path / "odd").write_text("")
+    assert machine_busy_seconds(str(tmp_path / "odd")) is None
     load = OtherLoad(str(stat))
     assert load.share() is None  # too soon to say
     write(101 * hz)  # one busy CPU second of others' during the wait below

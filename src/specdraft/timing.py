@@ -25,17 +25,19 @@ from .models import Target
 
 def machine_busy_seconds(stat: str = "/proc/stat") -> tuple[float, int] | None:
     """(CPU seconds every process of the machine has been busy, summed over its CPUs; the
-    number of CPUs) from ``stat``'s first lines, or None where there is no such file (not
-    Linux). Busy: user, nice, system, irq, softirq and steal (a hypervisor's other guests slow
-    a measurement as much as a local job); idle and iowait are not."""
+    number of CPUs) from ``stat``'s first lines, or None where it is missing (not Linux) or
+    not in /proc/stat's format. Busy: user, nice, system, irq, softirq and steal (a
+    hypervisor's other guests slow a measurement as much as a local job); idle and iowait
+    are not."""
     try:
         with open(stat, encoding="ascii") as f:
             lines = f.read().splitlines()
-    except OSError:
+        fields = [int(x) for x in lines[0].split()[1:9]]  # user nice system idle iowait irq softirq steal
+        idle = fields[3] + fields[4]
+    except (OSError, ValueError, IndexError):  # unreadable or unexpected: say nothing rather than fail a run
         return None
-    fields = [int(x) for x in lines[0].split()[1:9]]  # user nice system idle iowait irq softirq steal
     cpus = sum(1 for line in lines[1:] if line.startswith("cpu"))
-    busy = sum(fields) - fields[3] - fields[4]
+    busy = sum(fields) - idle
     return busy / os.sysconf("SC_CLK_TCK"), max(cpus, 1)
 
 
