@@ -21,7 +21,7 @@ from specdraft.drafters.registry import checkpoint_path
 from specdraft.models import load_target
 from specdraft.heads import MedusaHeads, ReDrafterHead
 from specdraft.train.corpus import Corpus
-from specdraft.train.fit import CorpusEvaluator
+from specdraft.train.fit_eval import CorpusEvaluator
 from specdraft.train.heads import HeadObjective
 
 

@@ -256,7 +256,7 @@ def test_fit_end_to_end_then_exact_and_walk_is_engine_tau(tiny_target_path, tiny
     examples = load(str(answers), tiny_target.tokenizer, seq_len=48, K=3, eos_ids=tiny_target.eos_ids)
     examples = [examples[i] for i in range(len(examples))]
     tokens = sum(len(r["response_ids"]) for r in records)
-    from specdraft.train.fit import CorpusEvaluator
+    from specdraft.train.fit_eval import CorpusEvaluator
     from specdraft.train.heads import HeadObjective
     assert head.config.context == context and head.config.feature_layers == [int(x) for x in layers.split(",") if x]
     found = CorpusEvaluator(Corpus(out / "heldout-corpus"), head.draft_vocab, 3, tiny_target.device, window=context)(
@@ -340,6 +340,14 @@ def test_interrupted_fit_continues_to_the_same_weights(tiny_target_path, data, a
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     curve = lambda r: [json.loads(x) for x in (tmp_path / r / "curve.jsonl").read_text().splitlines()]  # noqa: E731
     assert curve("a") == curve("b")  # each evaluation once, with the same numbers
+    # OUT/best: the head at the first evaluation with the highest τ at the trained depth (L = K + 1),
+    # the same in both runs although b's evaluations fell in three sittings.
+    best = [json.loads((tmp_path / r / "best.json").read_text()) for r in "ab"]
+    top = max(curve("a"), key=lambda e: (e["eval_tau_w1_l4"], -e["step"]))
+    assert best[0] == best[1] == {"step": top["step"], "tokens": top["positions"], "eval_tau_w1_l4": top["eval_tau_w1_l4"]}
+    a, b = (load_file(tmp_path / r / "best" / "model.safetensors") for r in "ab")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not (tmp_path / "b" / "best.tmp").exists()
 
 
 @pytest.mark.parametrize("drafter", ["redrafter", "draft"])
@@ -593,6 +601,11 @@ def test_fit_trains_a_draft_model_resumably_and_it_stays_exact(tiny_target_path,
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     curve = [json.loads(line) for line in (tmp_path / "a" / "curve.jsonl").read_text().splitlines()]
     assert curve[0]["tokens"] == 0 and curve[-1]["tokens"] > 0 and "eval_tau_walk_g2" in curve[-1]
+    best = json.loads((tmp_path / "a" / "train" / "best.json").read_text())
+    assert best["eval_tau_walk_g2"] == max(e["eval_tau_walk_g2"] for e in curve)
+    assert json.loads((tmp_path / "b" / "train" / "best.json").read_text()) == best
+    assert json.loads((tmp_path / "a" / "best" / "specdraft.json").read_text())["stages"][-1]["steps"] == best["step"]
+    build_drafter(f"draft:{tmp_path / 'a' / 'best'}", tiny_target, gamma=2)  # OUT/best loads like OUT/final
     assert (tmp_path / "a" / "curve.png").is_file()
     meta = json.loads((tmp_path / "a" / "final" / "specdraft.json").read_text())
     assert meta["embeddings"] == "target" and meta["stages"][-1]["loss"] == "tvd"

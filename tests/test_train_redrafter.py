@@ -234,6 +234,13 @@ def test_training_lowers_the_loss_and_saves_an_exact_drafter(tiny_target_path, t
     assert evals[-1]["eval_acc1_0"] > evals[0]["eval_acc1_0"] + 0.3
     assert 1.0 < evals[-1]["eval_tau_w1_l5"] <= 5.0 and evals[-1]["eval_tokens"] > 0
     assert config["training"]["heldout_examples"] == 8
+    # OUT/best: the head at its best held-out τ at the trained depth (first of equals), loadable
+    best = json.loads((out / "best.json").read_text())
+    top = max(evals, key=lambda e: (e["eval_tau_w1_l5"], -e["step"]))
+    assert (best["step"], best["eval_tau_w1_l5"]) == (top["step"], top["eval_tau_w1_l5"])
+    assert json.loads((out / "best" / "config.json").read_text())["training"]["steps"] == best["step"]
+    assert greedy(tiny_target, build_drafter(f"{arch}:{out / 'best'}", tiny_target)) == greedy(tiny_target,
+                                                                                              NoDrafter())
 
 
 def heldout_sharegpt(path: Path, n: int = 8) -> Path:

@@ -258,15 +258,18 @@ class HeldOut:
     """Held-out scoring on the training schedule: ``first()`` before the first step, then at
     the first logged step at or past each multiple of ``every`` (0: none) and at the last
     step. ``score()`` -> dict must be called by every process (its sums are reduced); each
-    score is written to ``log`` (eval.jsonl) with its step."""
+    score is written to ``log`` (eval.jsonl) with its step and handed to ``keep_best``
+    (``best.KeepBest``: OUT/best, the drafter at its best score)."""
 
-    def __init__(self, score, every: int, state: TrainState, total_steps: int, log: JsonLog):
+    def __init__(self, score, every: int, state: TrainState, total_steps: int, log: JsonLog, keep_best=None):
         self.score, self.every, self.state, self.total_steps, self.log = score, every, state, total_steps, log
+        self.keep_best = keep_best or (lambda found: None)
         self.next = (state.step // every + 1) * every if every else 0
 
     def first(self) -> dict:
         found = self.score()
         self.log.write({"step": 0, "tokens": self.state.tokens, **found})
+        self.keep_best(found)
         return found
 
     def at_log(self) -> dict:
@@ -279,6 +282,7 @@ class HeldOut:
             self.next = (step // self.every + 1) * self.every
         if found:
             self.log.write({"step": step, "tokens": self.state.tokens, **found})
+            self.keep_best(found)
         return found
 
 

@@ -49,7 +49,7 @@ from ..vocab import DraftVocab
 from .common import (JsonLog, LoopOptions, Plan, TrainState, cosine_schedule, finish_run, latest_checkpoint,
                      make_accelerator, train_loop)
 from .corpus import Corpus, PositionBatch, corpus_manifest, extract, to_device, to_output_space
-from .fit_eval import CURVE, CorpusEvaluator, summarise, write_curve_plot
+from .fit_eval import scheduled_scoring, summarise, write_curve_plot
 from .fit_stages import (Budget, example_spans, heldout_answers, own_answers, say, sigterm_as_interrupt,
                          with_own_answers)
 
@@ -388,8 +388,6 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
     """Stage 4: returns True when the planned epochs are done."""
     from accelerate.utils import set_seed
 
-    from .common import HeldOut
-
     out = Path(config.out) / "train"
     accelerator = make_accelerator(cpu=config.device == "cpu",
                                    mixed_precision="bf16" if config.dtype == "bfloat16" else "no")
@@ -407,15 +405,9 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
     if resume is not None:
         accelerator.load_state(str(resume))
         say(f"resuming training at step {state.step} of {plan.total_steps}")
-    evaluator = CorpusEvaluator(held, vocab, config.K, target.device, window=config.context)
-    curve = JsonLog(Path(config.out), state.step, accelerator.is_main_process, name=CURVE)
-
-    def score() -> dict:
-        found = evaluator(accelerator.unwrap_model(model))
-        curve.write({"step": state.step, "positions": state.tokens, **found})
-        return found
-
-    held_out = HeldOut(score, config.eval_every, state, plan.total_steps, JsonLog(out, state.step, False))
+    held_out, keep_best = scheduled_scoring(config, held, vocab, accelerator, model, state, plan, resume is not None,
+                                            lambda name: save_final(accelerator.unwrap_model(model).head,
+                                                                    Path(config.out) / name, config, state, corpus))
     if resume is None:
         first = held_out.first()
         say(f"before training: held-out {summarise(first, config.K)}")
@@ -436,6 +428,8 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
         finished = train_loop(accelerator, task, model, optimizer, scheduler, plan, state, opts)
     head = accelerator.unwrap_model(model).head
     write_curve_plot(Path(config.out))
+    if keep_best.describe():
+        say(keep_best.describe())
     save = lambda name: (save_final(head, Path(config.out) / name, config, state, corpus), config.drafter)  # noqa: E731
     finish_run(accelerator, accelerator.is_main_process, finished, state, plan, lambda: save("final"),
                opts.resume_hint, save_latest=lambda: save("latest"))

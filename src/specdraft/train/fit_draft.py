@@ -58,6 +58,7 @@ def draft_config(config, heldout: Path, deadline: float | None) -> DraftTrainCon
 
 def fit_draft(config, target, budget) -> int:
     """All stages for a draft model; returns the exit code (0 also when the budget stopped it)."""
+    from .best import BEST
     from .draft.command import EVAL_LOG, LATEST, run
     from .fit_stages import heldout_answers, say, sigterm_as_interrupt
 
@@ -70,7 +71,7 @@ def fit_draft(config, target, budget) -> int:
             code = run(draft_config(config, heldout, budget.deadline()), target=target)
     finally:  # an interrupted run (the trainer saved, then re-raised) gets its curve and links too
         write_curve(out, out / "train" / EVAL_LOG)
-        for name in ("final", LATEST):
+        for name in ("final", LATEST, BEST):
             if (out / "train" / name).is_dir() and not (out / name).exists():
                 # Relative, so that the run folder can be moved; the trainer rewrites train/NAME.
                 (out / name).symlink_to(Path("train") / name, target_is_directory=True)

@@ -77,6 +77,27 @@ def answer_spans(answer: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(np.nonzero(edges == 1)[0].tolist(), (np.nonzero(edges == -1)[0] - 1).tolist()))
 
 
+def scheduled_scoring(config, held, vocab, accelerator, model, state, plan, resumed: bool, save):
+    """Held-out scoring of a fit's head on the schedule -> (``common.HeldOut``,
+    ``best.KeepBest``): each score a line of OUT/curve.jsonl, and OUT/best the head at its
+    best τ at the trained depth (``save(name)`` writes it to OUT/name)."""
+    from .best import KeepBest
+    from .common import HeldOut, JsonLog
+
+    evaluator = CorpusEvaluator(held, vocab, config.K, accelerator.device, window=config.context)
+    curve = JsonLog(Path(config.out), state.step, accelerator.is_main_process, name=CURVE)
+
+    def score() -> dict:
+        found = evaluator(accelerator.unwrap_model(model))
+        curve.write({"step": state.step, "positions": state.tokens, **found})
+        return found
+
+    keep_best = KeepBest(Path(config.out), f"eval_tau_w1_l{config.K + 1}", save, state, resumed,
+                         accelerator.is_main_process)
+    no_log = JsonLog(Path(config.out) / "train", state.step, False)  # the curve is the log
+    return HeldOut(score, config.eval_every, state, plan.total_steps, no_log, keep_best), keep_best
+
+
 def summarise(found: dict, K: int) -> str:
     accs = " / ".join(f"{found[f'eval_acc1_{i}']:.3f}" for i in range(K))
     return f"top-1 {accs} at depths 1-{K}, τ (W=1, L=2..{K + 1}) " + " / ".join(

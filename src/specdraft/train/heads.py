@@ -33,6 +33,7 @@ from torch.nn import functional as F
 from ..data.chat import IGNORE
 from ..errors import SpecdraftError
 from ..heads import MedusaHeads, ReDrafterHead
+from .best import KeepBest
 from .configs import HeadTrainConfig
 from .common import (HeldOut, JsonLog, Plan, TargetStatesTask, TrainState, cosine_schedule, describe,
                      finish_run, load_target_for, loop_options, make_accelerator, open_hidden_cache, reduced_sums,
@@ -340,16 +341,19 @@ def run(config: HeadTrainConfig) -> int:
         accelerator.load_state(str(resume_from))
     cache = open_hidden_cache(config, accelerator, target, examples)
     held = heldout_examples(config, target)
+    record = {**run_record(config, plan, examples), "heldout_examples": len(held)}
+    save = lambda name: (save_final(accelerator.unwrap_model(model).head, out / name, record, state),  # noqa: E731
+                         config.arch)
     eval_log = JsonLog(out, state.step, main, name=EVAL_LOG)  # evaluations, trimmed on resume like the log
     held_out = None
     if held:
         evaluator = HeadEvaluator(held, target, config.future_tokens, config.batch_size, config.topk)
+        keep_best = KeepBest(out, f"eval_tau_w1_l{config.future_tokens + 1}", save, state, resume_from is not None,
+                             main)  # OUT/best: the head at its best held-out τ
         held_out = HeldOut(lambda: evaluator(accelerator, accelerator.unwrap_model(model)), config.eval_every, state,
-                           plan.total_steps, eval_log)
+                           plan.total_steps, eval_log, keep_best)
     task = HeadTask(target, examples, config.future_tokens, cache, kl_weight=config.kl_weight, topk=config.topk,
                     held_out=held_out)
-    record = run_record(config, plan, examples)
-    record["heldout_examples"] = len(held)
     if main:
         announce(config, out, record, plan, state, resumed=resume_from is not None)
     if resume_from is None and held_out is not None:
@@ -359,9 +363,7 @@ def run(config: HeadTrainConfig) -> int:
                   f"{summarise_eval(first, config.future_tokens)}", file=sys.stderr)
     opts = loop_options(config, out)
     finished = train_loop(accelerator, task, model, optimizer, scheduler, plan, state, opts)
-    return finish_run(accelerator, main, finished, state, plan,
-                      lambda: (save_final(accelerator.unwrap_model(model).head, out / "final", record, state),
-                               config.arch), config.resume_hint)
+    return finish_run(accelerator, main, finished, state, plan, lambda: save("final"), config.resume_hint)
 
 
 def heldout_examples(config, target) -> list:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ...drafters.draft_model import save_vocab
+from ..best import KeepBest
 from ..configs import DraftTrainConfig
 from ..common import (HeldOut, JsonLog, Plan, TrainState, cosine_schedule, describe, finish_run,
                       load_target_for, loop_options, make_accelerator, open_hidden_cache, resume_point, train_loop)
@@ -108,9 +109,9 @@ def run_record(config, lr: float, data_describe: dict, plan: Plan, draft: BuiltD
 
 
 def scheduled_evaluation(config, held: list, target, facts: TargetFacts, draft: BuiltDraft, accelerator, model,
-                         state: TrainState, plan: Plan) -> HeldOut | None:
+                         state: TrainState, plan: Plan, keep_best=None) -> HeldOut | None:
     """Held-out scoring on the training schedule (None without held-out examples), written
-    to OUT/eval.jsonl."""
+    to OUT/eval.jsonl and handed to ``keep_best`` (``best.KeepBest``: OUT/best)."""
     evaluator = Evaluator(held, target, batch_size=config.batch_size, chunk=config.loss_chunk, gamma=config.gamma,
                           target_parameters=facts.parameters, vocab=draft.vocab) if held else None
     # Made even without an evaluator: it trims entries past the resumed step, like the log.
@@ -118,7 +119,7 @@ def scheduled_evaluation(config, held: list, target, facts: TargetFacts, draft: 
     if evaluator is None:
         return None
     return HeldOut(lambda: evaluator(accelerator, accelerator.unwrap_model(model).draft), config.eval_every,
-                   state, plan.total_steps, eval_log)
+                   state, plan.total_steps, eval_log, keep_best)
 
 
 def announce(config, draft: BuiltDraft, facts: TargetFacts, loss_name: str, sizes: tuple[int, int], plan: Plan,
@@ -207,10 +208,13 @@ def run(config: DraftTrainConfig, target=None) -> int:
         accelerator.load_state(str(resume_from))
     cache = open_hidden_cache(config, accelerator, target, train) if config.stage == "finetune" else None
 
-    held_out = scheduled_evaluation(config, held, target, facts, draft, accelerator, model, state, plan)
+    record = run_record(config, lr, data_describe, plan, draft, facts, len(held))
+    save = lambda name: save_final(config, out, accelerator.unwrap_model(model).draft, target, draft, facts,  # noqa: E731
+                                   state, record, loss_name, name)
+    keep_best = KeepBest(out, f"eval_tau_walk_g{config.gamma}", save, state, resume_from is not None, main)
+    held_out = scheduled_evaluation(config, held, target, facts, draft, accelerator, model, state, plan, keep_best)
     task = DraftTask(config.stage, train, target, cache, accelerator=accelerator, model=model, held_out=held_out,
                      on_policy_tokens=config.on_policy_tokens if config.on_policy else 0, seq_len=config.seq_len)
-    record = run_record(config, lr, data_describe, plan, draft, facts, len(held))
     if main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "train_args.json").write_text(json.dumps(record, indent=2, default=str))
@@ -220,7 +224,7 @@ def run(config: DraftTrainConfig, target=None) -> int:
         score_before_training(held_out, main)
     opts = loop_options(config, out)
     finished = train_loop(accelerator, task, model, optimizer, scheduler, plan, state, opts)
-    trained = accelerator.unwrap_model(model).draft
-    save = lambda name: save_final(config, out, trained, target, draft, facts, state, record, loss_name, name)  # noqa: E731
+    if keep_best.describe():
+        print(f"specdraft: {keep_best.describe()}", file=sys.stderr)
     return finish_run(accelerator, main, finished, state, plan, lambda: save("final"), config.resume_hint,
                       save_latest=lambda: save(LATEST))
