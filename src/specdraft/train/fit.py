@@ -405,9 +405,10 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
     if resume is not None:
         accelerator.load_state(str(resume))
         say(f"resuming training at step {state.step} of {plan.total_steps}")
+    save = lambda name: (save_final(accelerator.unwrap_model(model).head, Path(config.out) / name, config,  # noqa: E731
+                                    state, corpus), config.drafter)
     held_out, keep_best = scheduled_scoring(config, held, vocab, accelerator, model, state, plan, resume is not None,
-                                            lambda name: save_final(accelerator.unwrap_model(model).head,
-                                                                    Path(config.out) / name, config, state, corpus))
+                                            save)
     if resume is None:
         first = held_out.first()
         say(f"before training: held-out {summarise(first, config.K)}")
@@ -426,11 +427,9 @@ def train_head(config: FitConfig, target, corpus: Corpus, held: Corpus, vocab: D
                                                  "target's own answers" if own else ""))
     with sigterm_as_interrupt():
         finished = train_loop(accelerator, task, model, optimizer, scheduler, plan, state, opts)
-    head = accelerator.unwrap_model(model).head
     write_curve_plot(Path(config.out))
     if keep_best.describe():
         say(keep_best.describe())
-    save = lambda name: (save_final(head, Path(config.out) / name, config, state, corpus), config.drafter)  # noqa: E731
     finish_run(accelerator, accelerator.is_main_process, finished, state, plan, lambda: save("final"),
                opts.resume_hint, save_latest=lambda: save("latest"))
     return finished
