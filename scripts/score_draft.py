@@ -50,13 +50,14 @@ def main() -> None:
     options = SimpleNamespace(eval_examples=args.limit, seq_len=1024, heldout_fraction=None)
     examples = eval_examples_from(args.data, options, target)
     accelerator = make_accelerator(cpu=True)
+    n_target = parameter_count(target.model)
     for spec in args.drafts:
         kind, _, path = spec.partition(":")
         draft, _, _, vocab = load_draft_folder(checkpoint_path(kind, path), target, target.dtype)
         evaluator = Evaluator(examples, target, batch_size=8, chunk=1024, gamma=args.gamma,
-                              target_parameters=parameter_count(target.model), vocab=vocab)
+                              target_parameters=n_target, vocab=vocab)
         fields = evaluator(accelerator, draft)
-        n_draft, n_target = parameter_count(draft) - shared_parameters(draft), parameter_count(target.model)
+        n_draft = parameter_count(draft) - shared_parameters(draft)
         for gamma in gammas:
             fields.update(table_cells(fields, gamma, n_draft, n_target))
         print(json.dumps({"draft": spec, "answers": len(examples), "draft_parameters": n_draft, **fields}), flush=True)
