@@ -299,6 +299,8 @@ def test_sweep_lookup_records_best_shape(tiny_target_path, prompts_file, tmp_pat
     ("draft:P@g5/adaptive", "draft:P", {"gamma": 5, "adaptive": True}),
     ("draft:P@g1/fixed/compiled", "draft:P", {"gamma": 1, "adaptive": False, "compiled": True}),
     ("draft:P@compiled", "draft:P", {"compiled": True}),
+    ("redrafter:P@int8", "redrafter:P", {"int8": True}),
+    ("redrafter:P@1x3/fixed/int8", "redrafter:P", {"beam_width": 1, "beam_length": 3, "adaptive": False, "int8": True}),
 ])
 def test_method_suffix_sets_shape_and_policy(spec, base, shape):
     from specdraft.bench.specs import split_shape
@@ -307,7 +309,7 @@ def test_method_suffix_sets_shape_and_policy(spec, base, shape):
 
 
 @pytest.mark.parametrize("spec", ["lookup@", "lookup@1x3/2x4", "lookup@fixed/adaptive", "lookup@g2/1x3", "lookup@on",
-                                  "draft:P@compiled/compiled"])
+                                  "draft:P@compiled/compiled", "redrafter:P@int8/int8"])
 def test_method_suffix_rejects_nonsense(spec):
     from specdraft.bench.specs import split_shape
 

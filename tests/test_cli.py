@@ -251,6 +251,17 @@ def test_redrafter_checkpoint_decodes_losslessly(tiny_target_path, tiny_target, 
     assert got["token_ids"] == reference_ids(tiny_target, LONG)
 
 
+def test_int8_drafter_flag_decodes_losslessly_and_says_when_it_does_nothing(tiny_target_path, tiny_target,
+                                                                            redrafter, capsys):
+    assert generate(tiny_target_path, "--prompt", LONG, "--drafter", f"redrafter:{redrafter}", "--int8-drafter",
+                    "--json") == 0
+    out = capsys.readouterr()
+    assert json_lines(out.out)[0]["token_ids"] == reference_ids(tiny_target, LONG)
+    assert "--int8-drafter" not in out.err  # the head was quantised: nothing to say
+    assert generate(tiny_target_path, "--prompt", LONG, "--drafter", "lookup", "--int8-drafter", "--json") == 0
+    assert "--int8-drafter: nothing of lookup runs in int8" in capsys.readouterr().err
+
+
 BAD_CHECKPOINTS = {  # id -> (drafter kind, fixture giving the folder, a word the error names)
     "draft_other_vocab": ("draft", "other_vocab_draft", "vocab"),
     "redrafter_other_hidden": ("redrafter", "other_hidden_redrafter", "hidden_size"),

@@ -8,8 +8,8 @@ temperature -> top-k -> top-p processing (``specdraft.sampling.target_probs``).
 
 Statistic: a G-test (likelihood ratio, chi-square tail from torch.special.gammaincc);
 outcomes with expected count < 5 are pooled into one bin, and an outcome of exact
-probability 0 fails outright. Threshold: fail when p < ALPHA = 1e-3. With 13 exactness
-cases below, an exact engine would fail some case with probability about 1.3% for a
+probability 0 fails outright. Threshold: fail when p < ALPHA = 1e-3. With 14 exactness
+cases below, an exact engine would fail some case with probability about 1.4% for a
 random choice of seeds; the seeds are fixed, so a pass is reproducible (no flakiness) and
 a failure is a real signal. The power tests show that known biases give p far below it.
 
@@ -218,6 +218,24 @@ def test_redrafter_beam_search_sampling_matches_exact_law(target, draft_vocab, s
     res, steps = sample_case(target, lambda t: ReDrafter(head, beam_width=3, beam_length=4, sample_drafts=sample_drafts),
                              SamplingParams(**T1), N_ROWS)
     print(f"redrafter sample_drafts={sample_drafts} T=1 top-p: {res} steps/row={steps:.2f}")
+    assert res.p_value > ALPHA, str(res)
+    assert steps < K, "drafts were never accepted: the case tests nothing"
+
+
+def test_int8_redrafter_sampled_chain_matches_exact_law(target):
+    """The head's linears in int8 (``--int8-drafter``) change its q, not the law: its
+    sampled chain reports the q its drafts were drawn from, over a draft vocabulary that
+    leaves out tokens the target samples."""
+    from specdraft.vocab import DraftVocab
+
+    torch.manual_seed(0)
+    vocab = DraftVocab(4, int(target.vocab_size))
+    vocab.set_ids(torch.tensor([0, 2, 3, 5]))
+    head = ReDrafterHead.for_target(target, head="own", draft_vocab=vocab).eval().requires_grad_(False)
+    drafter = ReDrafter(head, beam_width=1, beam_length=4)
+    assert drafter.quantize()
+    res, steps = sample_case(target, lambda t: drafter, SamplingParams(**T1), N_ROWS)
+    print(f"int8 redrafter sampled chain T=1 top-p: {res} steps/row={steps:.2f}")
     assert res.p_value > ALPHA, str(res)
     assert steps < K, "drafts were never accepted: the case tests nothing"
 

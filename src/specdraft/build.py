@@ -28,6 +28,7 @@ class EngineSpec:
     adaptive: str = "off"
     compile_drafter: bool = False  # torch.compile the drafter's model code, then warm_up
     compile_target: bool = False  # torch.compile the target's decoder stack, then warm_up
+    int8_drafter: bool = False  # the drafter's large linears in int8 (Drafter.quantize; CPU, float32)
 
 
 def build_engine(spec: EngineSpec):
@@ -39,6 +40,8 @@ def build_engine(spec: EngineSpec):
     with quiet_loading():
         target = load_target(spec.target, spec.device, spec.dtype, spec.trust_remote_code)
         drafter = build_drafter(spec.drafter, target, spec.beam_width, spec.beam_length, spec.gamma)
+    if spec.int8_drafter:
+        drafter.quantize()  # before the engine: adaptive drafting times the drafter as it will run
     if spec.compile_target:
         compile_target(target)  # before the cost model: adaptive drafting weighs the compiled forward's cost
     engine = SpeculativeEngine(target, drafter, max_tree_tokens=spec.max_tree_tokens,

@@ -58,9 +58,10 @@ class EngineMethod(Method):
     """``SpeculativeEngine`` with one of our drafters (``none`` = plain decoding)."""
 
     def __init__(self, spec: str, target, beam_width=None, beam_length=None, gamma=None, policy=None,
-                 compiled: bool = False):
+                 compiled: bool = False, int8: bool = False):
         """``policy``: adaptive drafting (specdraft.adaptive), None for the fixed shape;
-        ``compiled``: the drafter's model code through torch.compile, warmed up here."""
+        ``compiled``: the drafter's model code through torch.compile, warmed up here;
+        ``int8``: the drafter's large linears in int8 (``Drafter.quantize``)."""
         from collections import Counter
 
         from ..models import parameter_count
@@ -69,6 +70,8 @@ class EngineMethod(Method):
         from ..engine import SpeculativeEngine
 
         drafter = build_drafter(spec, target, beam_width, beam_length, gamma)
+        if int8:
+            drafter.quantize()
         self.engine = SpeculativeEngine(target, drafter, policy=policy)
         if compiled and drafter.compile():
             warm_up(self.engine)  # before any timed prompt: compiling is a start-up cost
@@ -76,7 +79,8 @@ class EngineMethod(Method):
         n_draft = getattr(drafter, "num_parameters", None)
         info = {"beam_width": getattr(drafter, "W", None), "beam_length": getattr(drafter, "L", None),
                 "gamma": getattr(drafter, "gamma", None), "draft_params": n_draft,
-                "target_params": parameter_count(target.model), "adaptive": policy is not None}
+                "target_params": parameter_count(target.model), "adaptive": policy is not None,
+                "int8": drafter.int8}
         if info["beam_length"] is None and info["gamma"]:
             info["beam_length"] = info["gamma"] + 1  # a draft model's chain: g0 + γ drafts
         if spec == "none":

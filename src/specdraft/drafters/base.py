@@ -82,6 +82,7 @@ class Drafter(ABC):
     # Target layers whose outputs the drafter reads (DraftContext.features); () for none.
     feature_layers: tuple[int, ...] = ()
     compiled: bool = False  # its model code runs through torch.compile (``compile``)
+    int8: bool = False  # its large linears run in int8 (``quantize``)
 
     def start(self, ctx: DraftContext) -> None:
         """A new batch was prefilled: ``ctx`` holds all its rows, in order."""
@@ -133,6 +134,12 @@ class Drafter(ABC):
 
     def warmed(self) -> None:
         """``build.warm_up`` is done: compiled code should no longer stop to compile."""
+
+    def quantize(self) -> bool:
+        """Run the drafter's large linears in int8 (``specdraft.int8``) where that makes
+        drafting cheaper; True if anything was quantised (default: nothing). Exact either
+        way, as for ``compile``: only the drafter's weights change, never the target's."""
+        return False
 
 
 def single_beam(g0: torch.Tensor) -> Proposal:

@@ -49,6 +49,10 @@ class CombinedDrafter(Drafter):
         self.compiled = any([p.compile(backend) for p in self.parts])  # a list: every part compiles
         return self.compiled
 
+    def quantize(self) -> bool:
+        self.int8 = any([p.quantize() for p in self.parts])  # a list: every part quantises
+        return self.int8
+
     def warmed(self) -> None:
         for p in self.parts:
             p.warmed()

@@ -21,9 +21,11 @@ steps is each sampling request's generator.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from .. import fastpath
+from .. import fastpath, int8
 from ..heads.beam_search import redrafter_beam_search
 from ..heads.model import ReDrafterHead
 from ..sampling import knobs, offset_generator, sample, target_probs
@@ -72,6 +74,23 @@ class ReDrafter(Drafter):
         """A drafter from a checkpoint folder; W and L default to the checkpoint's
         beam_width / beam_length (W=4, L=5 unless it records others)."""
         return cls(ReDrafterHead.load(path, target), beam_width, beam_length)
+
+    def quantize(self) -> bool:
+        """The head's residual blocks and output layer (its own, or its projection and the
+        target's draft-vocabulary rows) in int8, on CPU in float32 only; the recurrence, the
+        feature fusion and context attention stay float32 (small, or read the target's
+        states, whose outlier channels a per-call activation scale would flatten)."""
+        head = self.head
+        if self.int8 or not int8.available() or head.dtype != torch.float32 or head.rnn_w.weight.device.type != "cpu":
+            return False
+        if head.config.head == "shared" and head.draft_vocab is None:
+            return False  # its output is the target's whole LM head: not the drafter's to copy
+        names = [f"blocks.{i}.linear" for i in range(len(head.blocks))]
+        int8.quantize_linears(head, names + (["out"] if head.config.head == "own" else ["proj"]))
+        if head.config.head == "shared":
+            head.parts = replace(head.parts, rows_logits=head.parts.int8_rows(head.draft_vocab.ids()))
+        self.int8 = True
+        return True
 
     def start(self, ctx: DraftContext) -> None:
         self.generators = {}  # a new batch: its request ids start again

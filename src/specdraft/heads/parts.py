@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .. import fastpath
+from .. import fastpath, int8
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,8 @@ class TargetParts:
             logits of the tokens ``ids`` only (a draft vocabulary: N rows of the head,
             not V); float32, or with ``float32=False`` in the product's own dtype (training
             casts chunk by chunk, ``train.cross_entropy.cross_entropy_sum``).
+    int8_rows: ids (N,) long -> a ``rows_logits`` over an int8 copy of those N rows
+            (``specdraft.int8``; float32 out, softcap as the target applies it), for drafting.
     """
 
     embed: Callable[[torch.Tensor], torch.Tensor]
@@ -36,6 +38,7 @@ class TargetParts:
     vocab_size: int
     hidden_size: int
     rows_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    int8_rows: Callable[[torch.Tensor], Callable] | None = None
 
     @classmethod
     def of(cls, target) -> "TargetParts":
@@ -60,5 +63,17 @@ class TargetParts:
                 return torch.tanh(out.float() / target.softcap) * target.softcap
             return out.float() if float32 else out
 
+        def int8_rows(ids: torch.Tensor) -> Callable:
+            head = target.head
+            bias = head.bias[ids] if getattr(head, "bias", None) is not None else None
+            packed = int8.pack(head.weight[ids], bias)
+
+            def rows_logits_int8(hidden: torch.Tensor, asked: torch.Tensor, float32: bool = True) -> torch.Tensor:
+                assert asked.shape[0] == ids.shape[0], "int8 rows were packed for another draft vocabulary"
+                out = int8.linear(hidden, packed)  # float32
+                return torch.tanh(out / target.softcap) * target.softcap if target.softcap else out
+
+            return rows_logits_int8
+
         return cls(embed=embeddings, logits=logits, vocab_size=int(target.vocab_size),
-                   hidden_size=int(target.hidden_size), rows_logits=rows_logits)
+                   hidden_size=int(target.hidden_size), rows_logits=rows_logits, int8_rows=int8_rows)
