@@ -48,7 +48,7 @@ def one_token_ms(model, head_rows: int, prefix: int, trials: int) -> float:
 def draft_rows(folder: str, target, args, full: float) -> list[dict]:
     """The draft at ``folder``, in the target's dtype, with its whole output layer and with
     ``--draft-vocab`` rows (a row subset costs what the draft vocabulary's rows cost)."""
-    from specdraft.drafters.draft_model import load_draft_folder
+    from specdraft.drafters.draft_folder import load_draft_folder
 
     draft = load_draft_folder(folder, target, target.dtype)[0].eval()
     out = []

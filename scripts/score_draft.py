@@ -17,7 +17,7 @@ import json
 from types import SimpleNamespace
 
 from specdraft.bench.metrics import mbsu
-from specdraft.drafters.draft_model import load_draft_folder, shared_parameters
+from specdraft.drafters.draft_folder import load_draft_folder, shared_parameters
 from specdraft.drafters.registry import checkpoint_path
 from specdraft.models import load_target, parameter_count
 from specdraft.train.common import make_accelerator

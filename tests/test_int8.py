@@ -76,5 +76,7 @@ def test_what_is_not_quantised(tiny_target):
     combined = CombinedDrafter([LookupDrafter(), ReDrafter(make_head(tiny_target))])
     assert combined.quantize() and combined.int8
     assert not NoDrafter().quantize()
+    assert not LookupDrafter().quantize()
     kw = dict(max_new_tokens=16, ignore_eos=True)
     assert generate_ids(tiny_target, combined, PROMPTS, **kw) == generate_ids(tiny_target, NoDrafter(), PROMPTS, **kw)
+

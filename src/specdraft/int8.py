@@ -3,7 +3,9 @@
 A drafter's call at batch 1 reads every weight once for a handful of rows, so on a CPU it
 costs what its weights weigh. The shipped ReDrafter head reads ~32 MB per depth in float32
 (two 1152 x 1152 blocks, its 1152 -> 576 projection and 8192 rows of the target's LM head);
-in int8 that is ~8 MB, which stays in the L3 cache between calls. Measured on the AVX2 EPYC
+in int8 that is ~8 MB, which stays in the L3 cache between calls. (A draft model's call is
+bound by per-op overhead instead: its draft-vocabulary rows in int8 measured level, so it is
+left as is; docs/engine.md.) Measured on the AVX2 EPYC
 (2 threads, docs/engine.md "An int8 drafter"): the 8192 x 1152 product for 2 rows 3.7 ms in
 float32, 0.22 ms in int8; the head's beam search (W = 2, L = 3) 7.1 -> 2.7 ms.
 

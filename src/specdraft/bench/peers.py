@@ -134,7 +134,8 @@ def build_peer(spec: str, target, beam_length: int | None = None, gamma: int | N
 def assisted_peer(spec: str, path: str, target, gamma: int | None) -> HFPeer:
     """hf-assisted:PATH with the draft model loaded (safetensors only) on the target's
     device and dtype, drafting a constant γ tokens per step."""
-    from ..drafters.draft_model import DEFAULT_GAMMA, load_draft_folder, shared_parameters
+    from ..drafters.draft_folder import load_draft_folder, shared_parameters
+    from ..drafters.draft_model import DEFAULT_GAMMA
     from ..drafters.registry import checkpoint_path
     from ..models import parameter_count
 

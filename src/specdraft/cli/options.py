@@ -67,9 +67,9 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
                         "exact either way) and warm it up before the first request: a minute or two the first time, "
                         "less once torch's compile cache holds it")
     g.add_argument("--int8-drafter", action="store_true",
-                   help="run the drafter's large linears in int8 on CPU (redrafter: heads in float32; exact either "
-                        "way: only the drafter's weights change): cheaper drafting, e.g. the shipped head's step "
-                        "7.1 -> 2.7 ms")
+                   help="run the drafter's large linears in int8 on CPU (a float32 ReDrafter head's blocks and "
+                        "output layer; exact either way: only the drafter's weights "
+                        "change): cheaper drafting, e.g. the shipped head's step 7.1 -> 2.7 ms")
     add_compile_target_arg(g)
 
 
@@ -168,6 +168,6 @@ def load_engine(args: argparse.Namespace):
         print(f"specdraft: --compile-drafter: {args.drafter} has no model code to compile (draft models have)",
               file=sys.stderr)
     if getattr(args, "int8_drafter", False) and not engine.drafter.int8:
-        print(f"specdraft: --int8-drafter: nothing of {args.drafter} runs in int8 here (ReDrafter heads in float32 "
-              "on a CPU with fbgemm do)", file=sys.stderr)
+        print(f"specdraft: --int8-drafter: nothing of {args.drafter} runs in int8 here (float32 ReDrafter heads do, "
+              "on a CPU with fbgemm)", file=sys.stderr)
     return engine

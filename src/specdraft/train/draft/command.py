@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ...drafters.draft_model import save_vocab
+from ...drafters.draft_folder import save_vocab
 from ..best import KeepBest
 from ..configs import DraftTrainConfig
 from ..common import (HeldOut, JsonLog, Plan, TrainState, cosine_schedule, describe, finish_run,
@@ -62,7 +62,7 @@ def training_data(config, target) -> tuple:
 def prepare_draft(config, target, facts: TargetFacts, copy_layers: list[int] | None, train) -> BuiltDraft:
     """The draft: continued from a folder, or built (the same way on every process and
     rerun), with the target's embeddings if borrowed and its vocabulary if --draft-vocab."""
-    from ...drafters.draft_model import shared_parameters
+    from ...drafters.draft_folder import shared_parameters
     from ...models import parameter_count
 
     history: list = []

@@ -74,7 +74,7 @@ class Evaluator:
 
     def fields(self, sums: list[float], draft) -> dict:
         from ...bench.metrics import mbsu
-        from ...drafters.draft_model import shared_parameters
+        from ...drafters.draft_folder import shared_parameters
         from ...models import parameter_count
 
         ce, fkl, tv, agree, n = sums[: len(EVAL_STATS)]

@@ -23,7 +23,7 @@ def save_draft(draft, tokenizer, folder: Path, meta: dict, dtype: str = "float32
     from safetensors.torch import save_file
 
     from ...checkpoint import WEIGHTS
-    from ...drafters.draft_model import EMBEDDING_KEYS, SPECDRAFT_FILE
+    from ...drafters.draft_folder import EMBEDDING_KEYS, SPECDRAFT_FILE
     from ...models import quiet_loading
 
     folder = Path(folder)

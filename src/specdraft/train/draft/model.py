@@ -102,9 +102,9 @@ def build_draft(target, shape: DraftShape, *, from_target: bool = False, copy_la
 
 def load_draft(path: str, target):
     """A draft model folder (e.g. the pretrain stage's OUT/final) as a float32 model, after
-    the same checks as ``--drafter draft:PATH`` (``drafters.draft_model.load_draft_folder``);
+    the same checks as ``--drafter draft:PATH`` (``drafters.draft_folder.load_draft_folder``);
     and its ``specdraft.json`` (or {})."""
-    from ...drafters.draft_model import load_draft_folder, read_meta
+    from ...drafters.draft_folder import load_draft_folder, read_meta
 
     draft, _, _, _ = load_draft_folder(path, target, torch.float32)
     draft.requires_grad_(True)  # loaded frozen, for drafting; borrowed matrices are frozen again by run
@@ -114,7 +114,7 @@ def load_draft(path: str, target):
 def borrow_embeddings(draft, target, facts: TargetFacts) -> None:
     """Make the draft's embedding matrices the target's (frozen; left out of saved weights):
     the draft then trains and stores only its own layers and norms."""
-    from ...drafters.draft_model import share_target_embeddings
+    from ...drafters.draft_folder import share_target_embeddings
 
     if draft.config.hidden_size != facts.hidden:
         raise SpecdraftError(f"--embeddings target needs the target's hidden size ({facts.hidden}), "
