@@ -17,7 +17,6 @@ from specdraft.drafters.redrafter import ReDrafter
 from specdraft.heads import ReDrafterHead
 from specdraft.vocab import DraftVocab
 
-pytestmark = pytest.mark.skipif(not int8.available(), reason="this torch build has no fbgemm quantised linear")
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [3]]
 
@@ -34,6 +33,10 @@ def make_head(target, head="own", draft_vocab=None, seed=0) -> ReDrafterHead:
 def generate_ids(target, drafter, prompts, **params):
     params = SamplingParams(**{"max_new_tokens": 24, **params})
     return [r.token_ids for r in SpeculativeEngine(target, drafter, max_tree_tokens=None).generate(prompts, params)]
+
+
+def test_the_pinned_torch_has_the_kernel():
+    assert int8.available()  # x86 builds of torch ship fbgemm; without it --int8-drafter does nothing
 
 
 def test_int8_linear_is_close_to_float32_in_any_leading_shape():
