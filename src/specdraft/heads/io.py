@@ -26,6 +26,23 @@ def save_head(head: torch.nn.Module, folder: str | Path) -> Path:
     return Path(folder)
 
 
+class SavedHead:
+    """``load`` / ``save`` of a head class whose ``CONFIG`` names its config class (a mixin:
+    ReDrafterHead and MedusaHeads load and save the same way)."""
+
+    CONFIG: type[HeadConfig]
+
+    @classmethod
+    def load(cls, folder, target):
+        """Load a checkpoint folder for ``target`` (eval mode, frozen, on its device);
+        every failure is a one-line SpecdraftError."""
+        return load_head(folder, target, cls, cls.CONFIG)
+
+    def save(self, folder) -> Path:
+        """Write config.json + model.safetensors to ``folder`` (own parameters only)."""
+        return save_head(self, folder)
+
+
 def read_head_config(folder: str | Path, config_class: type[HeadConfig]) -> HeadConfig:
     """The folder's config, parsed as ``config_class`` (refusing other kinds)."""
     return config_class.from_dict(read_config(folder), folder)

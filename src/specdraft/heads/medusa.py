@@ -26,7 +26,7 @@ from ..checkpoint import target_signature
 from ..vocab import DraftVocab
 from .config import MedusaConfig
 from .model import ResidualBlock
-from .io import load_head, save_head
+from .io import SavedHead
 from .parts import TargetParts
 
 
@@ -45,12 +45,14 @@ class MedusaHead(nn.Module):
         return hidden
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(SavedHead, nn.Module):
     """K heads. state_dict names: heads.{k}.blocks.{l}.linear.{weight,bias} (d, d)/(d,),
     and heads.{k}.out.weight (V, d) for head "own" (k = 0..K-1 predicts g0's (k+1)-th
     successor). With a draft vocabulary of N tokens (``specdraft.vocab``): out.weight (N, d),
     the shared variant uses those N rows of the target's head, and the buffers
     draft_vocab.d2t (N,) / draft_vocab.t2d (V,) are saved too."""
+
+    CONFIG = MedusaConfig  # what ``load`` parses config.json as
 
     def __init__(self, config: MedusaConfig, parts: TargetParts):
         super().__init__()
@@ -85,16 +87,6 @@ class MedusaHeads(nn.Module):
                 if head == "own" and getattr(target.head, "bias", None) is None:
                     h.out.weight.copy_(target.head.weight[rows].float())
         return heads
-
-    @classmethod
-    def load(cls, folder, target) -> "MedusaHeads":
-        """Load a checkpoint folder for ``target`` (eval mode, frozen, on its device);
-        every failure is a one-line SpecdraftError."""
-        return load_head(folder, target, cls, MedusaConfig)
-
-    def save(self, folder):
-        """Write config.json + model.safetensors to ``folder`` (own parameters only)."""
-        return save_head(self, folder)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -46,7 +46,7 @@ from ..checkpoint import target_signature
 from ..vocab import DraftVocab
 from .config import ReDrafterConfig
 from .context import ContextAttention, right_aligned
-from .io import load_head, save_head
+from .io import SavedHead
 from .parts import TargetParts
 
 
@@ -61,7 +61,7 @@ class ResidualBlock(nn.Module):
         return z + F.silu(self.linear(z))
 
 
-class ReDrafterHead(nn.Module):
+class ReDrafterHead(SavedHead, nn.Module):
     """The recurrent draft head. Parameters (state_dict names):
 
     rnn_w.weight (d, d); rnn_u.weight (d, d), rnn_u.bias (d,);
@@ -74,6 +74,8 @@ class ReDrafterHead(nn.Module):
 
     The target's embeddings and LM head are used through ``parts`` and never stored.
     """
+
+    CONFIG = ReDrafterConfig  # what ``load`` parses config.json as
 
     def __init__(self, config: ReDrafterConfig, parts: TargetParts):
         super().__init__()
@@ -122,16 +124,6 @@ class ReDrafterHead(nn.Module):
         if draft_vocab is not None:
             made.draft_vocab.set_ids(draft_vocab.ids())
         return made.to(target.device)
-
-    @classmethod
-    def load(cls, folder, target) -> "ReDrafterHead":
-        """Load a checkpoint folder for ``target`` (eval mode, frozen, on its device);
-        every failure is a one-line SpecdraftError."""
-        return load_head(folder, target, cls, ReDrafterConfig)
-
-    def save(self, folder):
-        """Write config.json + model.safetensors to ``folder`` (own parameters only)."""
-        return save_head(self, folder)
 
     @property
     def dtype(self) -> torch.dtype:
