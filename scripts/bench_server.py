@@ -50,7 +50,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto", help="passed to specdraft serve (auto: bfloat16 where the CPU has it)")
     ap.add_argument("--drafters", default="none,lookup",
-                    help="comma-separated --drafter specs; SPEC@compiled serves SPEC with --compile-drafter")
+                    help="comma-separated --drafter specs; SPEC@compiled serves SPEC with --compile-drafter, "
+                         "SPEC@no-int8 with --no-int8-drafter")
     ap.add_argument("--concurrency", default="1,4,16", help="comma-separated levels")
     ap.add_argument("--requests", default="32",
                     help="requests per level (at least the concurrency): one number, or one per level (8,16,32)")
@@ -130,14 +131,16 @@ class Server:
     """``specdraft serve`` in a subprocess on 127.0.0.1:<free port>; SIGTERM on exit."""
 
     def __init__(self, args, drafter: str):
-        # DRAFTER@compiled: the same drafter served with --compile-drafter (its own row); the
-        # suffix is bench's (specdraft.bench.specs), of which a server takes only /compiled
+        # DRAFTER@compiled / DRAFTER@no-int8: the same drafter served with --compile-drafter /
+        # --no-int8-drafter (its own row); the suffix is bench's (specdraft.bench.specs), of
+        # which a server takes only those two
         from specdraft.bench.specs import split_shape
 
         drafter, shape = split_shape(drafter)
-        if set(shape) - {"compiled"}:
-            raise SystemExit(f"bench_server: {drafter}: only the @compiled suffix applies to a server")
+        if set(shape) - {"compiled", "int8"}:
+            raise SystemExit(f"bench_server: {drafter}: only the @compiled and @no-int8 suffixes apply to a server")
         self.cmd = serve_command() + ["--compile-drafter"] * shape.get("compiled", False) + [
+            "--no-int8-drafter"] * (not shape.get("int8", True)) + [
             "--target", args.target, "--device", args.device, "--dtype", args.dtype, "--drafter", drafter,
             "--host", "127.0.0.1", "--port", "0", "--max-batch-size", str(args.max_batch_size),
             "--max-queue", str(max([64] + [int(x) for x in args.requests.split(",")])), "--model-name", "bench", "--log-level", "warning",

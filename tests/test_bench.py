@@ -301,6 +301,8 @@ def test_sweep_lookup_records_best_shape(tiny_target_path, prompts_file, tmp_pat
     ("draft:P@compiled", "draft:P", {"compiled": True}),
     ("redrafter:P@int8", "redrafter:P", {"int8": True}),
     ("redrafter:P@1x3/fixed/int8", "redrafter:P", {"beam_width": 1, "beam_length": 3, "adaptive": False, "int8": True}),
+    ("redrafter:P@no-int8", "redrafter:P", {"int8": False}),
+    ("redrafter:P@2x3/no-int8", "redrafter:P", {"beam_width": 2, "beam_length": 3, "int8": False}),
 ])
 def test_method_suffix_sets_shape_and_policy(spec, base, shape):
     from specdraft.bench.specs import split_shape
@@ -309,7 +311,8 @@ def test_method_suffix_sets_shape_and_policy(spec, base, shape):
 
 
 @pytest.mark.parametrize("spec", ["lookup@", "lookup@1x3/2x4", "lookup@fixed/adaptive", "lookup@g2/1x3", "lookup@on",
-                                  "draft:P@compiled/compiled", "redrafter:P@int8/int8"])
+                                  "draft:P@compiled/compiled", "redrafter:P@int8/int8",
+                                  "redrafter:P@int8/no-int8"])
 def test_method_suffix_rejects_nonsense(spec):
     from specdraft.bench.specs import split_shape
 

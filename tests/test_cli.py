@@ -251,13 +251,22 @@ def test_redrafter_checkpoint_decodes_losslessly(tiny_target_path, tiny_target, 
     assert got["token_ids"] == reference_ids(tiny_target, LONG)
 
 
-def test_int8_drafter_flag_decodes_losslessly_and_says_when_it_does_nothing(tiny_target_path, tiny_target,
-                                                                            redrafter, capsys):
-    assert generate(tiny_target_path, "--prompt", LONG, "--drafter", f"redrafter:{redrafter}", "--int8-drafter",
-                    "--json") == 0
-    out = capsys.readouterr()
-    assert json_lines(out.out)[0]["token_ids"] == reference_ids(tiny_target, LONG)
-    assert "--int8-drafter" not in out.err  # the head was quantised: nothing to say
+def test_int8_drafter_is_on_by_default_exact_and_says_only_when_asked_for_in_vain(tiny_target_path, tiny_target,
+                                                                                 redrafter, capsys):
+    """A float32 head runs in int8 unless --no-int8-drafter; either way the output is the target's."""
+    from specdraft.cli.options import engine_spec
+
+    assert engine_spec(parse_args(["generate", "--prompt", "x"])).int8_drafter
+    assert not engine_spec(parse_args(["generate", "--prompt", "x", "--no-int8-drafter"])).int8_drafter
+    reference = reference_ids(tiny_target, LONG)
+    for flag in ([], ["--int8-drafter"], ["--no-int8-drafter"]):
+        assert generate(tiny_target_path, "--prompt", LONG, "--drafter", f"redrafter:{redrafter}", *flag,
+                        "--json") == 0
+        out = capsys.readouterr()
+        assert json_lines(out.out)[0]["token_ids"] == reference
+        assert "int8" not in out.err  # quantised, or not asked for: nothing to say
+    assert generate(tiny_target_path, "--prompt", LONG, "--drafter", "lookup", "--json") == 0
+    assert "int8" not in capsys.readouterr().err  # the default says nothing where it does not apply
     assert generate(tiny_target_path, "--prompt", LONG, "--drafter", "lookup", "--int8-drafter", "--json") == 0
     assert "--int8-drafter: nothing of lookup runs in int8" in capsys.readouterr().err
 

@@ -58,10 +58,11 @@ class EngineMethod(Method):
     """``SpeculativeEngine`` with one of our drafters (``none`` = plain decoding)."""
 
     def __init__(self, spec: str, target, beam_width=None, beam_length=None, gamma=None, policy=None,
-                 compiled: bool = False, int8: bool = False):
+                 compiled: bool = False, int8: bool = True):
         """``policy``: adaptive drafting (specdraft.adaptive), None for the fixed shape;
         ``compiled``: the drafter's model code through torch.compile, warmed up here;
-        ``int8``: the drafter's large linears in int8 (``Drafter.quantize``)."""
+        ``int8``: the drafter's large linears in int8 where that applies (``Drafter.quantize``),
+        as ``EngineSpec`` does by default."""
         from collections import Counter
 
         from ..models import parameter_count

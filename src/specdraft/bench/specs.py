@@ -21,23 +21,26 @@ def split_shape(spec: str) -> tuple[str, dict]:
     """'lookup@4x6' -> ('lookup', {beam_width: 4, beam_length: 6}); 'draft:P@g5' ->
     ('draft:P', {gamma: 5}); 'lookup@1x3/fixed' -> ('lookup', {..., adaptive: False});
     'lookup@adaptive' -> ('lookup', {adaptive: True}); 'draft:P@g1/compiled' -> ('draft:P',
-    {gamma: 1, compiled: True}); 'redrafter:P@int8' -> ('redrafter:P', {int8: True}); no
-    suffix -> (spec, {}). The suffix lets one run compare shapes of the same drafter, the
-    adaptive policy against fixed shapes, and a compiled or int8 drafter against its plain
-    self (each spec is its own row; without fixed/adaptive a row follows --adaptive)."""
+    {gamma: 1, compiled: True}); 'redrafter:P@no-int8' -> ('redrafter:P', {int8: False})
+    ('@int8': {int8: True}, the default anyway); no suffix -> (spec, {}). The suffix lets one
+    run compare shapes of the same drafter, the adaptive policy against fixed shapes, and a
+    compiled or float32 drafter against its usual self (each spec is its own row; without
+    fixed/adaptive a row follows --adaptive)."""
     base, at, suffix = spec.rpartition("@")
     if not at:
         return spec, {}
     shape: dict = {}
     for item in suffix.split("/"):
-        if item in ("compiled", "int8") and item not in shape:
-            shape[item] = True
+        flag = {"compiled": ("compiled", True), "int8": ("int8", True), "no-int8": ("int8", False)}.get(item)
+        if flag and flag[0] not in shape:
+            shape[flag[0]] = flag[1]
             continue
         m = re.fullmatch(r"(\d+)x(\d+)|g(\d+)|(fixed|adaptive)", item)
         shaped = len(shape) - sum(flag in shape for flag in ("adaptive", "compiled", "int8"))
         if not m or (m.group(4) and "adaptive" in shape) or (not m.group(4) and shaped):
             raise SpecdraftError(f"bad suffix in {spec!r}: use @WxL (beam width x length) or @gG (gamma), "
-                                 "optionally with /fixed or /adaptive, /compiled and /int8 (or one of them alone)")
+                                 "optionally with /fixed or /adaptive, /compiled and /int8 or /no-int8 "
+                                 "(or one of them alone)")
         if m.group(4):
             shape["adaptive"] = m.group(4) == "adaptive"
         elif m.group(3):
@@ -80,6 +83,6 @@ def build_method(spec: str, target, beam_width=None, beam_length=None, gamma=Non
         method = build_peer(base, target, beam_length=beam_length, gamma=gamma)
     else:
         method = EngineMethod(base, target, beam_width, beam_length, gamma, policy, shape.get("compiled", False),
-                              shape.get("int8", False))
+                              shape.get("int8", True))  # as the engine runs it unless the row says /no-int8
     method.spec = spec
     return method

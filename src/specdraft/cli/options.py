@@ -66,9 +66,9 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
                    help="torch.compile a draft model's forward (draft: only; cheaper drafting where the draft is small, "
                         "exact either way) and warm it up before the first request: a minute or two the first time, "
                         "less once torch's compile cache holds it")
-    g.add_argument("--int8-drafter", action="store_true",
-                   help="run the drafter's large linears in int8 on CPU (a float32 ReDrafter head's blocks and "
-                        "output layer; exact either way: only the drafter's weights "
+    g.add_argument("--int8-drafter", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the drafter's large linears in int8 on CPU where that applies (a float32 ReDrafter "
+                        "head's blocks and output layer; default: on; exact either way: only the drafter's weights "
                         "change): cheaper drafting, e.g. the shipped head's step 7.1 -> 2.7 ms")
     add_compile_target_arg(g)
 
@@ -147,7 +147,7 @@ def engine_spec(args: argparse.Namespace) -> build.EngineSpec:
                             adaptive=getattr(args, "adaptive", "off"),
                             compile_drafter=getattr(args, "compile_drafter", False),
                             compile_target=getattr(args, "compile_target", False),
-                            int8_drafter=getattr(args, "int8_drafter", False))
+                            int8_drafter=getattr(args, "int8_drafter", None) is not False)
 
 
 def load_engine(args: argparse.Namespace):
@@ -167,7 +167,7 @@ def load_engine(args: argparse.Namespace):
     if getattr(args, "compile_drafter", False) and not engine.drafter.compiled:
         print(f"specdraft: --compile-drafter: {args.drafter} has no model code to compile (draft models have)",
               file=sys.stderr)
-    if getattr(args, "int8_drafter", False) and not engine.drafter.int8:
+    if getattr(args, "int8_drafter", None) is True and not engine.drafter.int8:  # asked for by name
         print(f"specdraft: --int8-drafter: nothing of {args.drafter} runs in int8 here (float32 ReDrafter heads do, "
               "on a CPU with fbgemm)", file=sys.stderr)
     return engine

@@ -123,7 +123,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from ..fastpath import layout_name
 
     dtype = engine.target.dtype  # and the few-row layout it runs: a slow one slows every step
-    print(f"specdraft: serving {options.model_name} (drafter {args.drafter}, {str(dtype).removeprefix('torch.')}, "
+    drafter = args.drafter + (" in int8" if engine.drafter.int8 else "")  # --int8-drafter took: say so
+    print(f"specdraft: serving {options.model_name} (drafter {drafter}, {str(dtype).removeprefix('torch.')}, "
           f"linear {layout_name(dtype)}) on {url_of(sock)}",
           file=sys.stderr, flush=True)
     server.run(sockets=[sock])
