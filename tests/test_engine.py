@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from drafters_for_tests import RandomBeamsDrafter
 from specdraft import SamplingParams, SpeculativeEngine
 from specdraft.drafters import LookupDrafter, NoDrafter
-from specdraft.engine import PREFILL_PADDING, prefill_groups
+from specdraft.prefill import PREFILL_PADDING, prefill_groups
 from specdraft.errors import SpecdraftError
 
 PROMPTS = [[3, 4, 5, 3, 4], [5, 6, 7, 8, 9, 10, 11], [2, 3], [7, 7, 7, 8]]

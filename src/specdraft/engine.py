@@ -18,38 +18,16 @@ import torch
 
 from .acceptance import Acceptance, accept_chain_sampling, accept_greedy, accept_tree_sampling
 from .adaptive import AdaptivePolicy, finish_weights
-from .cache import CompactCache
 from .drafters.base import DraftContext, Drafter, Proposal
 from .errors import SpecdraftError
 from .models import Target
 from .plantrace import PlanTrace
+from .prefill import prefill
 from .recent import RecentStates
 from .rows import STAGES, Batch, GenerationResult, Row, StageTimer, StepEvent  # noqa: F401 (STAGES: re-exported)
 from .sampling import SamplingParams, knobs, make_generator, sample, target_probs
 from .textstream import TextStream
 from .tree import TreeBatch, children_confidence, pack_beams
-
-PREFILL_PADDING = 1.25  # a prefill group may run at most this many times its real tokens
-
-
-def prefill_groups(lengths: list[int], padding: float = PREFILL_PADDING) -> list[list[int]]:
-    """Split rows into groups of similar prompt length, each run as one padded pass.
-
-    Rows are taken shortest first; a row joins the current group while the group's padded
-    size (rows x longest) stays within ``padding`` x its real tokens. Returns lists of row
-    indices covering every row once (one group when lengths are close)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    groups: list[list[int]] = []
-    real = 0
-    for i in order:
-        if groups and (len(groups[-1]) + 1) * lengths[i] <= padding * (real + lengths[i]):
-            groups[-1].append(i)
-            real += lengths[i]
-        else:
-            groups.append([i])
-            real = lengths[i]
-    return groups if len(groups) > 1 else [list(range(len(lengths)))]  # one group: keep the order
-
 
 class SpeculativeEngine:
     """Exact speculative decoding of ``target`` with candidates from ``drafter``."""
@@ -177,7 +155,8 @@ class SpeculativeEngine:
                        self.target.max_context) + 64
         batch = Batch(rows=rows, cache=None, hidden=None, ctx=None, timer=StageTimer(device))
         with batch.timer("prefill"):
-            tail, features, batch.cache = self._prefill(rows, capacity)
+            tail, features, batch.cache = prefill(self.target, [r.prompt for r in rows], capacity,
+                                                  self.feature_layers)
             batch.hidden = tail[:, -1]
             batch.features = None if features is None else features[:, -1]
             if self.window:
@@ -355,54 +334,6 @@ class SpeculativeEngine:
         """``Target.forward``'s hidden states (B, N, d) and, for a drafter with feature
         layers, the target's states after them (B, N, n, d); else None."""
         return self.target.forward_features(tokens, positions, mask, cache, self.feature_layers)
-
-    def _prefill(self, rows: list[Row], capacity: int) -> tuple[torch.Tensor, torch.Tensor | None, CompactCache]:
-        """Run the prompts; return (B, 2, d) hidden states at each prompt's last two tokens
-        (the last one's logits choose the first token; a one-token prompt repeats it), the
-        feature-layer states there (B, 2, n, d) or None, and the cache holding them (rows in
-        ``rows`` order, ``capacity`` slots).
-
-        Prompts of very different lengths are run in groups of similar length (see
-        ``prefill_groups``): one padded pass would cost max length x B tokens."""
-        device = self.target.device
-        groups = prefill_groups([len(r.prompt) for r in rows])
-        hidden, features, caches = [], [], []
-        for group in groups:
-            cache = CompactCache(self.target.num_layers, len(group), capacity, device).allocate(
-                *self.target.kv_shape, self.target.dtype)  # a compiled target then meets one kind of cache
-            found = self._prefill_padded([rows[i] for i in group], cache)
-            hidden.append(found[0])
-            features.append(found[1])
-            caches.append(cache)
-        cache = caches[0]
-        for other in caches[1:]:
-            cache.extend(other)
-        if len(groups) == 1:
-            return hidden[0], features[0], cache
-        order = torch.tensor([i for group in groups for i in group], device=device)
-        back = torch.argsort(order)  # row i sits at position back[i] of the grouped order
-        cache.select_rows(back)
-        return torch.cat(hidden)[back], None if features[0] is None else torch.cat(features)[back], cache
-
-    def _prefill_padded(self, rows: list[Row], cache: CompactCache) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run the right-padded prompts in one pass; return (B, 2, d) hidden states at each
-        prompt's last two tokens, and the feature-layer states there (B, 2, n, d) or None."""
-        device = self.target.device
-        lengths = torch.tensor([len(r.prompt) for r in rows], device=device)
-        P = int(lengths.max())
-        tokens = torch.zeros(len(rows), P, dtype=torch.long, device=device)
-        for i, r in enumerate(rows):
-            tokens[i, : len(r.prompt)] = torch.tensor(r.prompt, device=device)
-        pos = torch.arange(P, device=device)
-        causal = pos[None, :, None] >= pos[None, None, :]
-        real = pos[None, :] < lengths[:, None]
-        # Padding queries see only themselves so that no attention row is empty.
-        mask = (causal & real[:, None, :]) | (torch.eye(P, dtype=torch.bool, device=device) & ~real[:, :, None])
-        hidden, features = self._forward(tokens, pos[None].expand(len(rows), -1), mask[:, None], cache)
-        cache.commit(pos[None].expand(len(rows), -1), lengths)
-        last = (lengths[:, None] + torch.arange(-2, 0, device=device)).clamp(min=0)
-        every = torch.arange(len(rows), device=device)[:, None]
-        return hidden[every, last], None if features is None else features[every, last]
 
     def _choose(self, rows: list[Row], logits: torch.Tensor) -> torch.Tensor:
         """The target's own token from logits (B, V): argmax or a sample from p."""
