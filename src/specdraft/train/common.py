@@ -10,7 +10,8 @@ the micro-batches and example indices every process uses, so the *data position*
 run is its step count alone. A checkpoint (``accelerator.save_state``) holds the model's
 trainable weights, optimizer, LR scheduler, RNG states and the ``TrainState`` (step,
 tokens seen, the plan's signature); resuming from it replays nothing and skips nothing,
-and on CPU gives bitwise the weights of an uninterrupted run.
+and on CPU gives bitwise the weights of an uninterrupted run (where checkpoints live and
+which one is resumed: ``train.resume``).
 
 A task (e.g. ``train.heads.HeadTask``) supplies the model-specific parts:
 ``micro_batch(indices)`` (data only), ``counts(micro)`` (per-loss-term token counts, summed
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -34,9 +34,8 @@ import torch
 
 from ..errors import SpecdraftError
 from .hidden_cache import HiddenCache
+from .resume import checkpoint_dir, save_training_state
 
-CHECKPOINTS = "checkpoints"
-COMPLETE = "COMPLETE"  # written into a checkpoint folder once every process has saved
 LOG = "log.jsonl"
 
 
@@ -159,37 +158,6 @@ def cosine_schedule(optimizer, total_steps: int, warmup_ratio: float = 0.1):
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-# ---- checkpoints ------------------------------------------------------------------------
-
-
-def checkpoint_dir(out: Path, step: int) -> Path:
-    return Path(out) / CHECKPOINTS / f"step-{step:08d}"
-
-
-def latest_checkpoint(out: Path) -> Path | None:
-    """The completed checkpoint with the highest step (an interrupted save is ignored)."""
-    root = Path(out) / CHECKPOINTS
-    done = [p for p in root.glob("step-*") if (p / COMPLETE).is_file()] if root.is_dir() else []
-    return max(done, key=lambda p: int(p.name.split("-")[1])) if done else None
-
-
-def save_checkpoint(accelerator, task, out: Path, step: int, keep: int) -> Path:
-    """Every process saves its part; the main process marks it complete and removes all
-    but the ``keep`` newest completed checkpoints."""
-    task.sync(accelerator)
-    folder = checkpoint_dir(out, step)
-    accelerator.save_state(str(folder))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (folder / COMPLETE).write_text(f"{step}\n")
-        done = sorted((p for p in folder.parent.glob("step-*") if (p / COMPLETE).is_file()),
-                      key=lambda p: int(p.name.split("-")[1]))
-        for old in done[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    return folder
 
 
 # ---- logs -------------------------------------------------------------------------------
@@ -402,7 +370,7 @@ def train_loop(accelerator, task, model, optimizer, scheduler, plan: Plan, state
                 task.sync(accelerator)
             save_due, out_of_time = clock_says(accelerator, opts, last_save)
             if state.step % opts.save_every == 0 or state.step == stop_at or save_due or out_of_time:
-                save_checkpoint(accelerator, task, opts.out, state.step, opts.keep_checkpoints)
+                save_training_state(accelerator, task, opts.out, state.step, opts.keep_checkpoints)
                 last_save = time.monotonic()
             if out_of_time:
                 break
@@ -410,7 +378,7 @@ def train_loop(accelerator, task, model, optimizer, scheduler, plan: Plan, state
         if accelerator.num_processes > 1 or state.step == 0 or updating:
             raise  # mid-update or across processes the state is not one we can save
         # Between steps the state is consistent: keep the work done so far.
-        save_checkpoint(accelerator, task, opts.out, state.step, opts.keep_checkpoints)
+        save_training_state(accelerator, task, opts.out, state.step, opts.keep_checkpoints)
         print(f"\nspecdraft: interrupted; saved {checkpoint_dir(opts.out, state.step)}", file=sys.stderr)
         state.interrupted = True
     finally:
@@ -458,14 +426,6 @@ def loop_options(config, out: Path) -> LoopOptions:
                        max_grad_norm=config.max_grad_norm, progress=not config.no_progress,
                        save_every_seconds=config.save_every_seconds, resume_hint=config.resume_hint,
                        deadline=config.deadline)
-
-
-def resume_point(out: Path, resume: bool) -> Path | None:
-    """The checkpoint to resume from; refuses to start over a run that has checkpoints."""
-    latest = latest_checkpoint(out)
-    if latest is not None and not resume:
-        raise SpecdraftError(f"{out} already holds checkpoints; pass --resume to continue, or use another --out")
-    return latest
 
 
 def load_target_for(config, accelerator):

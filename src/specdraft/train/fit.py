@@ -46,12 +46,12 @@ import torch
 from ..data.chat import IGNORE
 from ..errors import SpecdraftError
 from ..vocab import DraftVocab
-from .common import (JsonLog, LoopOptions, Plan, TrainState, cosine_schedule, finish_run, latest_checkpoint,
-                     make_accelerator, train_loop)
+from .common import JsonLog, LoopOptions, Plan, TrainState, cosine_schedule, finish_run, make_accelerator, train_loop
 from .corpus import Corpus, PositionBatch, corpus_manifest, extract, to_device, to_output_space
 from .fit_eval import scheduled_scoring, summarise, write_curve_plot
 from .fit_stages import (Budget, example_spans, heldout_answers, own_answers, say, sigterm_as_interrupt,
                          with_own_answers)
+from .resume import latest_checkpoint
 
 BLOCK = 16  # consecutive corpus positions per example: the unit the data order shuffles
 

@@ -37,9 +37,10 @@ from .best import KeepBest
 from .configs import HeadTrainConfig
 from .common import (HeldOut, JsonLog, Plan, TargetStatesTask, TrainState, cosine_schedule, describe,
                      finish_run, load_target_for, loop_options, make_accelerator, open_hidden_cache, reduced_sums,
-                     resume_point, train_loop)
+                     train_loop)
 from .examples import Batch, ExampleSet, collate, load_examples
 from .hidden_cache import HiddenCache
+from .resume import resume_point
 from .cross_entropy import cross_entropy_sum
 from .walk import greedy_walk, labelled_spans
 

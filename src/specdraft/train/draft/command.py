@@ -16,7 +16,8 @@ from ...drafters.draft_folder import save_vocab
 from ..best import KeepBest
 from ..configs import DraftTrainConfig
 from ..common import (HeldOut, JsonLog, Plan, TrainState, cosine_schedule, describe, finish_run,
-                      load_target_for, loop_options, make_accelerator, open_hidden_cache, resume_point, train_loop)
+                      load_target_for, loop_options, make_accelerator, open_hidden_cache, train_loop)
+from ..resume import resume_point
 from .checks import check_config, parse_layers
 from .data import answer_vocabulary, eval_examples_from, finetune_data, pretrain_data
 from .evaluate import Evaluator
