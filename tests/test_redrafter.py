@@ -451,6 +451,12 @@ def test_fit_shape_widens_a_default_chain_only_where_the_second_beam_is_nearly_f
         return drafter.W
 
     assert width(flat) == 2 and width(steep) == 1
+
+    small = ReDrafter(head, beam_length=3)
+    small.fit_shape(flat)
+    assert small.W == 2 and (small.width(1), small.width(2), small.width(16)) == (2, 1, 1)  # WIDE_MAX_ROWS
+    plain = generate_ids(tiny_target, NoDrafter(), [[1, 2, 3], [4, 5]], max_new_tokens=12)
+    assert generate_ids(tiny_target, small, [[1, 2, 3], [4, 5]], max_new_tokens=12) == plain  # 2 rows: one beam
     assert width(flat, beam_width=1) == 1  # the user's width
     assert ReDrafter(head, beam_width=1, beam_length=1).L == 1  # nothing drafted: nothing to widen
     part = ReDrafter(head, beam_length=3)

@@ -38,6 +38,10 @@ DRAFT_SEED_OFFSET = 0x5EED_4EAD  # the head's stream differs from the target's, 
 # beams of 3 drafted τ 2.15 against 2.00 with lookup, 1.62x against 1.59x plain decoding;
 # in float32 (1.48x) 1.36x against 1.39x, and fixed 1.12x against 1.29x.
 WIDE_COST = 1.15
+# ...and only for steps of at most this many rows. On the AVX512-BF16 EPYC (2026-12-03,
+# bfloat16, MT-Bench 20 x 128, adaptive) two beams at 4 rows ran the head at 1.05x plain
+# decoding against 1.15x with one, though the cost model put 4 x 5 tree tokens at 1.08x 4 x 3.
+WIDE_MAX_ROWS = 1
 
 
 def beam_shape(config, beam_width: int | None, beam_length: int | None) -> tuple[int, int]:
@@ -64,6 +68,7 @@ class ReDrafter(Drafter):
         fastpath.small_batch_linear(head)  # its few-row linears, like the target's (CPU)
         self.W, self.L = beam_shape(head.config, beam_width, beam_length)
         self.width_given = beam_width is not None  # fit_shape keeps a width the user chose
+        self.wide_rows: int | None = None  # fit_shape's widening: W beams up to this many rows, 1 beyond
         self.context_window = head.config.context
         self.feature_layers = tuple(head.config.feature_layers)
         self.sample_drafts = sample_drafts
@@ -97,11 +102,16 @@ class ReDrafter(Drafter):
 
     def fit_shape(self, cost) -> None:
         """One beam by default becomes two where the second beam is nearly free to verify
-        here (``WIDE_COST``); the policy then keeps only the nodes that pay."""
+        here (``WIDE_COST``), for steps of at most ``WIDE_MAX_ROWS`` rows; the policy then
+        keeps only the nodes that pay."""
         if self.W == 1 and self.L > 1 and not self.width_given:
             chain, wide = cost(self.L), cost(2 * self.L - 1)
             if wide <= WIDE_COST * chain:
-                self.W = 2
+                self.W, self.wide_rows = 2, WIDE_MAX_ROWS
+
+    def width(self, rows: int) -> int:
+        """Beams drafted for a batch of ``rows`` (``fit_shape`` may widen small batches only)."""
+        return self.W if self.wide_rows is None or rows <= self.wide_rows else 1
 
     def may_sample_drafts(self) -> bool:
         return self.sample_drafts and self.L > 1
@@ -124,7 +134,7 @@ class ReDrafter(Drafter):
         L = min(self.L, int(ctx.budget.max()))
         with fastpath.active():
             hidden = self.root_states(ctx)
-            result = redrafter_beam_search(self.head, hidden, ctx.g0, self.W, L)
+            result = redrafter_beam_search(self.head, hidden, ctx.g0, self.width(hidden.shape[0]), L)
         return Proposal(beams=result.beams, valid=result.valid, confidence=beam_confidence(result))
 
     def sampled_chain(self, hidden: torch.Tensor, ctx: DraftContext, L: int) -> Proposal:
