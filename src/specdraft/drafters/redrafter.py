@@ -68,7 +68,7 @@ class ReDrafter(Drafter):
         fastpath.small_batch_linear(head)  # its few-row linears, like the target's (CPU)
         self.W, self.L = beam_shape(head.config, beam_width, beam_length)
         self.width_given = beam_width is not None  # fit_shape keeps a width the user chose
-        self.wide_rows: int | None = None  # fit_shape's widening: W beams up to this many rows, 1 beyond
+        self.widened = False  # fit_shape made W = 2: then one beam on steps above WIDE_MAX_ROWS rows
         self.context_window = head.config.context
         self.feature_layers = tuple(head.config.feature_layers)
         self.sample_drafts = sample_drafts
@@ -107,11 +107,11 @@ class ReDrafter(Drafter):
         if self.W == 1 and self.L > 1 and not self.width_given:
             chain, wide = cost(self.L), cost(2 * self.L - 1)
             if wide <= WIDE_COST * chain:
-                self.W, self.wide_rows = 2, WIDE_MAX_ROWS
+                self.W, self.widened = 2, True
 
     def width(self, rows: int) -> int:
-        """Beams drafted for a batch of ``rows`` (``fit_shape`` may widen small batches only)."""
-        return self.W if self.wide_rows is None or rows <= self.wide_rows else 1
+        """Beams drafted for a batch of ``rows`` (``fit_shape`` widens small batches only)."""
+        return 1 if self.widened and rows > WIDE_MAX_ROWS else self.W
 
     def may_sample_drafts(self) -> bool:
         return self.sample_drafts and self.L > 1

@@ -22,11 +22,17 @@ def checkpoint_dir(out: Path, step: int) -> Path:
     return Path(out) / CHECKPOINTS / f"step-{step:08d}"
 
 
-def latest_checkpoint(out: Path) -> Path | None:
-    """The completed checkpoint with the highest step (an interrupted save is ignored)."""
+def completed_checkpoints(out: Path) -> list[Path]:
+    """The completed checkpoints of a run, oldest step first (an interrupted save is left out)."""
     root = Path(out) / CHECKPOINTS
     done = [p for p in root.glob("step-*") if (p / COMPLETE).is_file()] if root.is_dir() else []
-    return max(done, key=lambda p: int(p.name.split("-")[1])) if done else None
+    return sorted(done, key=lambda p: int(p.name.split("-")[1]))
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The completed checkpoint with the highest step, if any."""
+    done = completed_checkpoints(out)
+    return done[-1] if done else None
 
 
 def save_training_state(accelerator, task, out: Path, step: int, keep: int) -> Path:
@@ -38,8 +44,7 @@ def save_training_state(accelerator, task, out: Path, step: int, keep: int) -> P
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (folder / COMPLETE).write_text(f"{step}\n")
-        done = sorted((p for p in folder.parent.glob("step-*") if (p / COMPLETE).is_file()),
-                      key=lambda p: int(p.name.split("-")[1]))
+        done = completed_checkpoints(out)
         for old in done[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
