@@ -203,24 +203,39 @@ def layout_name(dtype: torch.dtype) -> str:
     return layout or "stock"
 
 
+def layout_for(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """The layout a product of ``x`` (..., in) with ``weight`` takes now, or None for stock
+    F.linear: outside ``active()``, off CPU, at a dtype without a layout, above the layout's
+    row limit, or (packed: oneDNN's product has no backward) where grads are wanted."""
+    # Cheap tests first: this runs for every linear of every forward.
+    if _depth == 0 or not x.is_cpu:
+        return None
+    layout = CHOSEN.get(weight.dtype, LAYOUTS.get(weight.dtype))
+    if layout is None:
+        return None
+    limit = ROW_LIMIT.get(weight.dtype, MAX_ROWS[layout])  # ROW_LIMIT: packed dtypes only
+    if limit is not None and x.numel() > limit * x.shape[-1]:
+        return None
+    if layout == PACKED and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return None
+    return layout
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, holder, layout: str) -> torch.Tensor:
+    """F.linear(x, weight, bias) in ``layout`` (of ``layout_for``); ``holder`` keeps the packed copy."""
+    if layout == PACKED:
+        return packed_linear(x, packed_weight_of(holder, weight), bias)
+    return transposed_linear(x, weight, bias)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, holder=None) -> torch.Tensor:
     """F.linear(x, weight, bias); inside ``active()`` on CPU through the layout chosen for the
     weight's dtype. ``holder`` (any object taking attributes, e.g. the module) keeps the
     packed copy; without one the packed layout is not used."""
-    # Cheap tests first: this runs for every linear of every forward.
-    if _depth == 0 or x.is_cuda:
+    layout = layout_for(x, weight)
+    if layout is None or (layout == PACKED and holder is None):
         return F.linear(x, weight, bias)
-    layout = CHOSEN.get(weight.dtype, LAYOUTS.get(weight.dtype))
-    if layout is None or x.device.type != "cpu":
-        return F.linear(x, weight, bias)
-    limit = ROW_LIMIT.get(weight.dtype, MAX_ROWS[layout])  # ROW_LIMIT: packed dtypes only
-    if limit is not None and x.numel() > limit * x.shape[-1]:
-        return F.linear(x, weight, bias)
-    if layout == PACKED:
-        if holder is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-            return F.linear(x, weight, bias)  # oneDNN's packed product has no backward
-        return packed_linear(x, packed_weight_of(holder, weight), bias)
-    return transposed_linear(x, weight, bias)
+    return product(x, weight, bias, holder, layout)
 
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

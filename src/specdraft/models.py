@@ -21,7 +21,7 @@ from typing import Iterator
 
 import torch
 
-from . import fastpath
+from . import fastpath, siblings
 from .errors import SpecdraftError, first_line
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
@@ -202,6 +202,7 @@ class Target:
 
     def __post_init__(self):
         fastpath.small_batch_linear(self.model)
+        siblings.fuse_siblings(self.model, self._probe_forward)
         cfg = self.model.config
         self.config = cfg
         self.base = self.model.base_model  # the decoder stack, ending in the final norm
@@ -221,6 +222,10 @@ class Target:
         self.eos_ids = self._eos_ids()
         self.compiled = False  # the decoder stack runs through torch.compile (``compile``)
         self.stance = "default"  # torch.compiler stance of compiled forwards (``warmed``)
+
+    def _probe_forward(self) -> None:
+        """One forward of two tokens: what ``siblings.find_siblings`` watches."""
+        self.model(input_ids=torch.tensor([[0, 1]], device=self.model.device), use_cache=False)
 
     def check_new_tokens(self, max_new_tokens: int, flag: str = "--max-new-tokens") -> None:
         """One line if ``max_new_tokens`` alone exceeds the context: no prompt could leave room

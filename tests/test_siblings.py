@@ -1,0 +1,149 @@
+"""Sibling linears stacked into one product (``specdraft.siblings``): found by observation,
+bitwise the separate products, and never serving a stale or foreign output."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdraft import fastpath, siblings
+from specdraft.models import load_target
+from specdraft.timing import prefill
+
+PACKED_HERE = fastpath.packed_is_stock(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16))
+
+
+@pytest.fixture
+def fresh_layouts(monkeypatch):
+    """Layouts chosen afresh (a tiny model does not time: the dtype's candidate)."""
+    monkeypatch.setattr(fastpath, "CHOSEN", {})
+    monkeypatch.setattr(fastpath, "ROW_LIMIT", {})
+
+
+@pytest.fixture
+def stock_packing(monkeypatch, fresh_layouts):
+    """The packed product played by stock F.linear, so that the grouping logic is tested on
+    any CPU (one without oneDNN's packed bf16 product included)."""
+    monkeypatch.setattr(fastpath, "packing_available", lambda: True)
+    monkeypatch.setattr(fastpath, "pack_weight", lambda w: w.clone())
+    monkeypatch.setattr(fastpath, "packed_linear", lambda x, packed, bias=None: F.linear(x, packed, bias))
+
+
+def member_names(target) -> list[list[str]]:
+    names = {m: n for n, m in target.model.named_modules()}
+    groups = {id(m._specdraft_group): m._specdraft_group for m in target.model.modules() if hasattr(m, "_specdraft_group")}
+    return [[names[m].rsplit(".", 1)[1] for m in g.members] for g in groups.values()]
+
+
+def logits(target, n: int, cache=None) -> torch.Tensor:
+    """An engine forward's logits for n chain tokens after a 5-token cache."""
+    cache = cache or prefill(target, 5, 16)
+    ids = (torch.arange(1, n + 1)[None] * 7) % target.vocab_size
+    chain = torch.ones(n, n, dtype=torch.bool).tril()[None]
+    with torch.no_grad():
+        return target.logits(target.forward(ids, 5 + torch.arange(n)[None], cache.attention_mask(chain), cache))
+
+
+def test_siblings_are_found_by_what_they_read(tiny_target_path, stock_packing):
+    """A Llama's q/k/v read one input and so do gate/up; o_proj and down_proj read their own."""
+    target = load_target(str(tiny_target_path), dtype="bfloat16")
+    groups = member_names(target)
+    layers = target.num_layers
+    assert sorted(map(tuple, groups)) == sorted([("q_proj", "k_proj", "v_proj")] * layers + [("gate_proj", "up_proj")] * layers)
+
+
+def test_float32_is_not_stacked(tiny_target_path, fresh_layouts):
+    """float32's layout does not stack (measured: no faster, not bitwise): no groups, and no
+    probe forward is run to look for them."""
+    target = load_target(str(tiny_target_path), dtype="float32")
+    assert member_names(target) == []
+    assert siblings.fuse_siblings(target.model, lambda: pytest.fail("probe forward run for float32")) == 0
+
+
+def test_one_product_serves_the_group(tiny_target_path, stock_packing, monkeypatch):
+    """One product per group and layer in an engine forward: per layer 2 stacked products,
+    o_proj and down_proj (4, not 7), plus the LM head."""
+    target = load_target(str(tiny_target_path), dtype="bfloat16")
+    cache, calls = prefill(target, 5, 16), []
+    monkeypatch.setattr(fastpath, "packed_linear", lambda x, packed, bias=None: calls.append(packed.shape) or F.linear(x, packed, bias))
+    logits(target, 1, cache)
+    assert len(calls) == 4 * target.num_layers + 1
+
+
+@pytest.mark.skipif(not PACKED_HERE, reason="no oneDNN packed bf16 product on this CPU (the logic tests run with a stand-in)")
+def test_stacked_forward_is_bitwise_the_separate_one(tiny_target_path, fresh_layouts):
+    """With oneDNN's real packed product: engine forwards of 1-9 tree tokens give bitwise the
+    logits of the same model with every linear on its own."""
+    target = load_target(str(tiny_target_path), dtype="bfloat16")
+    members = [m for m in target.model.modules() if hasattr(m, "_specdraft_group")]
+    assert members
+    stacked = {m: m.forward for m in members}
+    for n in (1, 2, 3, 4, 8, 9):
+        together = logits(target, n)
+        for m in members:
+            m.forward = types.MethodType(fastpath._forward, m)
+        alone = logits(target, n)
+        for m in members:
+            m.forward = stacked[m]
+        assert torch.equal(together, alone), n
+
+
+def test_outputs_follow_their_input_and_weights(tiny_target_path, stock_packing):
+    """A member called with another input than the one its outputs were kept for computes
+    its own; an input written in place is another input; a weight written in place is
+    stacked again."""
+    target = load_target(str(tiny_target_path), dtype="bfloat16")
+    attn = target.model.model.layers[0].self_attn
+    x, y = (torch.randn(1, 3, attn.q_proj.in_features).to(torch.bfloat16) for _ in range(2))
+    with torch.no_grad(), fastpath.active():
+        attn.q_proj(x)
+        assert torch.equal(attn.k_proj(y), F.linear(y, attn.k_proj.weight))  # not x's kept output
+        attn.q_proj(x)
+        x.mul_(2)  # the kept outputs were for x before this write
+        assert torch.equal(attn.k_proj(x), F.linear(x, attn.k_proj.weight))
+        attn.v_proj.weight.mul_(3)
+        assert torch.equal(attn.v_proj(x), F.linear(x, attn.v_proj.weight))
+        attn.q_proj(y)
+        assert torch.equal(attn.v_proj(y), F.linear(y, attn.v_proj.weight))
+        assert attn.q_proj._specdraft_group.input is y  # k_proj's output is still kept
+        assert torch.equal(attn.k_proj(y), F.linear(y, attn.k_proj.weight))
+        assert attn.q_proj._specdraft_group.input is None  # all handed out: the input is let go
+
+
+def test_outside_the_engine_members_run_stock(tiny_target_path, stock_packing, monkeypatch):
+    """Outside ``fastpath.active()`` (transformers' own generate on the same model) every
+    member is stock F.linear, with no product of the group."""
+    target = load_target(str(tiny_target_path), dtype="bfloat16")
+    monkeypatch.setattr(fastpath, "packed_linear", lambda *a, **k: pytest.fail("packed product outside the engine"))
+    attn = target.model.model.layers[0].self_attn
+    x = torch.randn(1, 2, attn.q_proj.in_features).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(attn.k_proj(x), F.linear(x, attn.k_proj.weight))
+
+
+def test_a_stack_that_is_not_bitwise_is_not_used(tiny_target_path, stock_packing, monkeypatch):
+    """Where the stacked product differs from the members' own in any bit (another oneDNN
+    kernel for the wider weight), the group is left unstacked."""
+    product = siblings.SiblingGroup.product
+    monkeypatch.setattr(siblings.SiblingGroup, "product", lambda self, x: [y + 1 for y in product(self, x)])
+    target = load_target(str(tiny_target_path), dtype="bfloat16")
+    assert member_names(target) == []
+
+
+def test_copies_of_the_model_keep_their_groups(tiny_target_path, stock_packing):
+    """A deep copy of a stacked model has groups over its own members, without
+    the packed copy or kept outputs of the original, and computes the same outputs."""
+    target = load_target(str(tiny_target_path), dtype="bfloat16")
+    attn = target.model.model.layers[0].self_attn
+    x = torch.randn(1, 2, attn.q_proj.in_features).to(torch.bfloat16)
+    with torch.no_grad(), fastpath.active():
+        attn.q_proj(x)  # a packed copy made, outputs kept
+        for twin in (copy.deepcopy(attn),):
+            group = twin.q_proj._specdraft_group
+            assert group.members == [twin.q_proj, twin.k_proj, twin.v_proj] and group.packed is None and not group.kept
+            assert torch.equal(twin.q_proj(x), F.linear(x, attn.q_proj.weight))
+            assert torch.equal(twin.v_proj(x), F.linear(x, attn.v_proj.weight))
