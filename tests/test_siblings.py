@@ -147,3 +147,33 @@ def test_copies_of_the_model_keep_their_groups(tiny_target_path, stock_packing):
             assert group.members == [twin.q_proj, twin.k_proj, twin.v_proj] and group.packed is None and not group.kept
             assert torch.equal(twin.q_proj(x), F.linear(x, attn.q_proj.weight))
             assert torch.equal(twin.v_proj(x), F.linear(x, attn.v_proj.weight))
+
+
+class Branches(torch.nn.Module):
+    """Three biased linears on one input and one on another (a Qwen-like attention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(8, n, bias=True) for n in (8, 4, 4))
+        self.d = torch.nn.Linear(8, 8, bias=True)
+
+    def forward(self, x):
+        return torch.cat([self.a(x), self.b(x), self.c(x)], -1), self.d(self.a(x) + 1)
+
+
+def test_biased_siblings_stack_with_their_biases(stock_packing):
+    """Biases are stacked with their weights and followed like them; a linear reading
+    another input (here ``d``) stays alone."""
+    model = Branches().to(torch.bfloat16)
+    fastpath.small_batch_linear(model)
+    x = torch.randn(2, 8).to(torch.bfloat16)
+    assert siblings.fuse_siblings(model, lambda: model(x)) == 1
+    assert model.a._specdraft_group.members == [model.a, model.b, model.c] and not hasattr(model.d, "_specdraft_group")
+    with torch.no_grad(), fastpath.active():
+        assert torch.equal(model(x)[0], torch.cat([F.linear(x, m.weight, m.bias) for m in (model.a, model.b, model.c)], -1))
+        model.c.bias.add_(1)  # written in place: stacked again
+        model.a(x)
+        assert torch.equal(model.c(x), F.linear(x, model.c.weight, model.c.bias))
+        model.b.bias = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))  # another tensor
+        model.a(x)
+        assert torch.equal(model.b(x), F.linear(x, model.b.weight))

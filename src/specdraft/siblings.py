@@ -44,8 +44,9 @@ class SiblingGroup:
     def __init__(self, members: list[torch.nn.Linear], sizes: list[int] | None = None):
         self.members = members
         self.sizes = sizes or [m.out_features for m in members]
-        self.stamp = None  # the members' weights (identity and version) the packed copy was made from
+        self.stamp = None  # [(weight, version)] of the members when the packed copy was made
         self.packed = None
+        self.stacked_bias, self.bias_stamp = None, []
         self.input = None  # the input whose outputs are kept, at ``version``
         self.version = -1
         self.kept: dict[torch.nn.Linear, tuple] = {}  # member -> (output, its weight, the weight's version)
@@ -58,25 +59,34 @@ class SiblingGroup:
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["members"], state["sizes"])  # members may be half restored yet (a cycle)
 
-    def weights_stamp(self) -> tuple:
-        return tuple((m.weight, m.weight._version, m.bias is None) for m in self.members)
+    def weights_changed(self) -> bool:
+        """Whether a member's weight or bias is another tensor, or was written, since the packed copy."""
+        if self.stamp is None:
+            return True
+        for m, (weight, version) in zip(self.members, self.stamp):  # a plain loop: this runs every product
+            if m.weight is not weight or weight._version != version:
+                return True
+        for bias, (kept, version) in zip(self.biases(), self.bias_stamp):
+            if bias is not kept or bias._version != version:
+                return True
+        return False
+
+    def biases(self) -> list[torch.Tensor]:
+        return [m.bias for m in self.members if m.bias is not None]
 
     def packed_weight(self) -> torch.Tensor:
-        """The stacked weight's packed copy, made again when a member's weight changes."""
-        stamp = self.weights_stamp()
-        if self.stamp is None or any(a is not b or u != v for (a, u, _), (b, v, _) in zip(stamp, self.stamp)):
-            stacked = torch.cat([m.weight.detach() for m in self.members])
-            self.packed, self.stamp = fastpath.pack_weight(stacked), stamp
+        """The stacked weight's packed copy (and stacked bias), made again when a member's changes."""
+        if self.weights_changed():
+            self.packed = fastpath.pack_weight(torch.cat([m.weight.detach() for m in self.members]))
+            self.stamp = [(m.weight, m.weight._version) for m in self.members]
+            biases = self.biases()
+            self.stacked_bias = torch.cat([b.detach() for b in biases]) if biases else None
+            self.bias_stamp = [(b, b._version) for b in biases]
         return self.packed
-
-    def bias(self) -> torch.Tensor | None:
-        if self.members[0].bias is None:
-            return None
-        return torch.cat([m.bias.detach() for m in self.members])
 
     def product(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The members' outputs for ``x`` (..., in), each contiguous, from one product."""
-        y = fastpath.packed_linear(x, self.packed_weight(), self.bias())
+        y = fastpath.packed_linear(x, self.packed_weight(), self.stacked_bias)
         return [part.contiguous() for part in y.split(self.sizes, dim=-1)]
 
     def output(self, member: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
