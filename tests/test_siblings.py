@@ -177,3 +177,15 @@ def test_biased_siblings_stack_with_their_biases(stock_packing):
         model.b.bias = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))  # another tensor
         model.a(x)
         assert torch.equal(model.b(x), F.linear(x, model.b.weight))
+
+
+def test_the_cost_model_knows_the_stacking(tiny_target_path, stock_packing):
+    """The adaptive policy's cached forward costs are keyed on how many groups run stacked:
+    a curve measured before stacking (slower one-row forwards) is not reused after it."""
+    from specdraft.costmodel import cost_model_key
+
+    target = load_target(str(tiny_target_path), dtype="bfloat16")
+    assert siblings.stacked_groups(target.model) == 2 * target.num_layers
+    assert f"|stacked={2 * target.num_layers}|" in cost_model_key(target)
+    fastpath.stock_linear(target.model)  # what a compiled target does: nothing stacked any more
+    assert siblings.stacked_groups(target.model) == 0 and "stacked" not in cost_model_key(target)

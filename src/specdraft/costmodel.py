@@ -148,11 +148,14 @@ def monotone_fit(values: list[float]) -> list[float]:
 def cost_model_key(target) -> str:
     """What the curve depends on: model, dtype, device, CPU threads, torch version, the
     linear layout ``fastpath`` chose for the dtype (the packed bf16 one is ~1.2x faster), and
+    how many sibling linears it stacks (``siblings``: ~8% off a bf16 one-token forward), and
     whether the target runs compiled (``Target.compile``: up to ~2x faster forwards)."""
-    from . import fastpath
+    from . import fastpath, siblings
 
+    stacked = siblings.stacked_groups(target.model) if hasattr(target, "model") else 0
     return (f"{target.name}|{target.dtype}|{target.device}|threads={torch.get_num_threads()}|"
             f"torch={torch.__version__}|linear={fastpath.layout_name(target.dtype)}|cost={FORMAT}"
+            + (f"|stacked={stacked}" if stacked else "")
             + ("|compiled" if getattr(target, "compiled", False) else ""))
 
 

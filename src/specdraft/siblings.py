@@ -178,3 +178,9 @@ def fuse_siblings(model: torch.nn.Module, run) -> int:
                 m.forward = types.MethodType(_member_forward, m)
             stacked += 1
     return stacked
+
+
+def stacked_groups(model: torch.nn.Module) -> int:
+    """How many sibling groups of ``model`` run stacked (what its forward costs depends on it)."""
+    return len({id(m._specdraft_group) for m in model.modules()
+                if getattr(m, "_specdraft_group", None) is not None and getattr(m, "_specdraft_fastpath", False)})
