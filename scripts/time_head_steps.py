@@ -29,7 +29,8 @@ def main() -> None:
 
     from specdraft.models import load_target
     from specdraft.train.corpus import Corpus
-    from specdraft.train.fit import BLOCK, CorpusTask, FitConfig, build_objective, draft_vocabulary
+    from specdraft.train.fit import BLOCK, CorpusTask, build_objective, draft_vocabulary
+    from specdraft.train.fit_config import FitConfig
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="a fit's folder: its corpus, heldout-corpus and vocab.json")

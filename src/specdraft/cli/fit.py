@@ -1,4 +1,4 @@
-"""The ``specdraft fit`` subcommand: argparse -> ``train.fit.FitConfig`` -> ``run_fit``."""
+"""The ``specdraft fit`` subcommand: argparse -> ``train.fit_config.FitConfig`` -> ``run_fit``."""
 
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def add_own_answer_options(p) -> None:
 
 def config_from(args: argparse.Namespace):
     from ..distill import parse_temperatures
-    from ..train.fit import FitConfig
+    from ..train.fit_config import FitConfig
 
     config = FitConfig(out=Path(args.out), drafter=args.drafter, target=args.target, dtype=args.dtype, device=args.device,
                        trust_remote_code=args.trust_remote_code, data=args.data, data_offset=args.data_offset, seq_len=args.seq_len,

@@ -8,7 +8,7 @@ Python user writes e.g.
     from specdraft.train import HeadTrainConfig, train_head
     train_head(HeadTrainConfig(out="runs/head", data="distill.jsonl", head="shared", epochs=2))
 
-``specdraft fit``'s own configuration is ``train.fit.FitConfig``.
+``specdraft fit``'s own configuration is ``train.fit_config.FitConfig``.
 """
 
 from __future__ import annotations

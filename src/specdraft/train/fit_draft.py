@@ -34,7 +34,7 @@ from .configs import DraftTrainConfig
 
 
 def draft_config(config, heldout: Path, deadline: float | None) -> DraftTrainConfig:
-    """The trainer's configuration for a fit ``config`` (``fit.FitConfig``)."""
+    """The trainer's configuration for a fit ``config`` (``fit_config.FitConfig``)."""
     from ..drafters.registry import checkpoint_path
 
     init_from = checkpoint_path("draft", config.init_from) if config.init_from else None
