@@ -189,3 +189,15 @@ def test_the_cost_model_knows_the_stacking(tiny_target_path, stock_packing):
     assert cost_model_key(target).endswith(f"|stacked={2 * target.num_layers}")
     fastpath.stock_linear(target.model)  # what a compiled target does: nothing stacked any more
     assert siblings.stacked_groups(target.model) == 0 and "stacked" not in cost_model_key(target)
+
+
+def test_a_model_the_probe_cannot_run_stays_unstacked(stock_packing):
+    """Stacking only saves time: where the probe forward fails, the model keeps its linears
+    apart (and still loads); its real forwards report their own errors."""
+    model = Branches().to(torch.bfloat16)
+    fastpath.small_batch_linear(model)
+
+    def broken():
+        raise ValueError("this model wants more inputs")
+
+    assert siblings.fuse_siblings(model, broken) == 0 and siblings.stacked_groups(model) == 0

@@ -118,7 +118,7 @@ def find_siblings(model: torch.nn.Module, run) -> list[list[torch.nn.Linear]]:
     tensor during ``run()`` (one forward of ``model``), each in call order, with one dtype,
     input width and bias presence."""
     seen: list[tuple[torch.nn.Linear, torch.Tensor]] = []
-    hooks = [m.register_forward_pre_hook(lambda m, args: seen.append((m, args[0])))
+    hooks = [m.register_forward_pre_hook(lambda m, args: seen.append((m, args[0])) if args else None)
              for m in model.modules() if type(m) is torch.nn.Linear]
     try:
         with torch.no_grad():
@@ -165,7 +165,11 @@ def fuse_siblings(model: torch.nn.Module, run) -> int:
         return 0  # e.g. float32 or a GPU: no forward needed to find out
     verdict: dict[tuple, bool] = {}
     stacked = 0
-    for members in find_siblings(model, run):
+    try:
+        groups = find_siblings(model, run)
+    except Exception:  # stacking only saves time: a model the probe cannot run keeps its linears apart
+        return 0
+    for members in groups:
         if any(hasattr(m, "_specdraft_group") for m in members) or not stacks_here(members[0].weight):
             continue
         shape = (members[0].weight.dtype, members[0].bias is None, tuple(tuple(m.weight.shape) for m in members))
