@@ -79,8 +79,9 @@ def test_every_requested_row_is_there(first_run):
             assert rows[(peer, t, 2)]["tokens_per_second"] is None
     assert all(r["status"] == "ok" for k, r in rows.items() if k[0] not in ("hf-lookup", assisted) or k[2] == 1)
     env = results["environment"]
-    for key in ("device", "dtype", "target", "torch", "transformers", "device_name"):
+    for key in ("device", "dtype", "target", "torch", "transformers", "device_name", "linear_layout"):
         assert env[key]
+    assert env["stacked_groups"] == 0  # float32: nothing stacked (siblings.STACKED_LAYOUTS)
     assert "bench" in results["command"]
 
 

@@ -121,7 +121,7 @@ def environment(target, cfg: BenchConfig) -> dict:
     """Where and with what the numbers were measured."""
     import transformers
 
-    from .. import __version__
+    from .. import __version__, fastpath, siblings
     from ..models import parameter_count
 
     dev = target.device
@@ -130,7 +130,9 @@ def environment(target, cfg: BenchConfig) -> dict:
             "python": platform.python_version(), "platform": platform.platform(), "device": str(dev),
             "device_name": name, "threads": torch.get_num_threads(),
             "dtype": str(target.dtype).removeprefix("torch."), "compiled_target": bool(getattr(target, "compiled", False)),
-            "target": target.name, "target_params": parameter_count(target.model)}
+            "target": target.name, "target_params": parameter_count(target.model),
+            # the few-row kernels this process chose (a start-up timing decides) and what they stack
+            "linear_layout": fastpath.layout_name(target.dtype), "stacked_groups": siblings.stacked_groups(target.model)}
 
 
 def cpu_name() -> str:
