@@ -121,11 +121,13 @@ def run_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout or None, default_max_tokens=args.default_max_tokens)
     server = make_server(create_app(engine, options), sock, args.shutdown_timeout, args.log_level)
     from ..fastpath import layout_name
+    from ..siblings import stacked_groups
 
     dtype = engine.target.dtype  # and the few-row layout it runs: a slow one slows every step
     drafter = args.drafter + (" in int8" if engine.drafter.int8 else "")  # --int8-drafter took: say so
+    stacked = stacked_groups(engine.target.model)
     print(f"specdraft: serving {options.model_name} (drafter {drafter}, {str(dtype).removeprefix('torch.')}, "
-          f"linear {layout_name(dtype)}) on {url_of(sock)}",
+          f"linear {layout_name(dtype)}{f', {stacked} stacked' if stacked else ''}) on {url_of(sock)}",
           file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     return 0
