@@ -201,3 +201,19 @@ def test_a_model_the_probe_cannot_run_stays_unstacked(stock_packing):
         raise ValueError("this model wants more inputs")
 
     assert siblings.fuse_siblings(model, broken) == 0 and siblings.stacked_groups(model) == 0
+
+
+def test_inference_mode_inputs_compute_alone(tiny_target_path, stock_packing):
+    """Under ``torch.inference_mode`` (corpus extraction) an input has no version counter, so
+    nothing is kept for it: each member computes its own product, and whole forwards run."""
+    target = load_target(str(tiny_target_path), dtype="bfloat16")
+    attn = target.model.model.layers[0].self_attn
+    with torch.inference_mode(), fastpath.active():
+        x = torch.randn(1, 2, attn.q_proj.in_features).to(torch.bfloat16)
+        attn.q_proj(x)
+        assert not attn.q_proj._specdraft_group.kept
+        assert torch.equal(attn.k_proj(x), F.linear(x, attn.k_proj.weight))
+        cache = prefill(target, 5, 16)
+        ids = torch.tensor([[3, 4]])
+        hidden = target.forward(ids, 5 + torch.arange(2)[None], cache.attention_mask(torch.ones(1, 2, 2, dtype=torch.bool).tril()), cache)
+    assert hidden.shape == (1, 2, target.hidden_size)

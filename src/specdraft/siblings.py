@@ -108,7 +108,10 @@ def _member_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     layout = fastpath.layout_for(x, self.weight)
     if layout is None:
         return F.linear(x, self.weight, self.bias)
-    if layout not in STACKED_LAYOUTS or (self.bias is not None and self.bias.requires_grad and torch.is_grad_enabled()):
+    # An inference-mode tensor has no version counter, so a kept output could not be known
+    # fresh: such inputs (bulk corpus extraction) compute alone.
+    if (layout not in STACKED_LAYOUTS or x.is_inference()
+            or (self.bias is not None and self.bias.requires_grad and torch.is_grad_enabled())):
         return fastpath.product(x, self.weight, self.bias, self, layout)
     return self._specdraft_group.output(self, x)
 
