@@ -174,6 +174,9 @@ def test_biased_siblings_stack_with_their_biases(stock_packing):
         model.c.bias.add_(1)  # written in place: stacked again
         model.a(x)
         assert torch.equal(model.c(x), F.linear(x, model.c.weight, model.c.bias))
+        model.a(x)
+        model.b.bias.sub_(1)  # written after the product: b's kept output is stale
+        assert torch.equal(model.b(x), F.linear(x, model.b.weight, model.b.bias))
         model.b.bias = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))  # another tensor
         model.a(x)
         assert torch.equal(model.b(x), F.linear(x, model.b.weight))

@@ -49,7 +49,7 @@ class SiblingGroup:
         self.stacked_bias, self.bias_stamp = None, []
         self.input = None  # the input whose outputs are kept, at ``version``
         self.version = -1
-        self.kept: dict[torch.nn.Linear, tuple] = {}  # member -> (output, its weight, the weight's version)
+        self.kept: dict[torch.nn.Linear, torch.Tensor] = {}  # member -> its output for ``input``
 
     def __getstate__(self) -> dict:
         # Copies of the model carry the group without what it made or holds: the
@@ -93,13 +93,13 @@ class SiblingGroup:
         """``member``'s output for ``x``: kept from the group's last product on this very
         input, else from a new one (whose other outputs are then kept)."""
         if x is self.input and x._version == self.version and member in self.kept:
-            out, weight, version = self.kept.pop(member)
+            out = self.kept.pop(member)
             if not self.kept:
                 self.input = None  # nothing left to hand out: do not hold the input
-            if member.weight is weight and weight._version == version:  # else written since: stale
+            if not self.weights_changed():  # else a weight or bias was written since: stale
                 return out
         outs = self.product(x)
-        self.kept = {m: (o, m.weight, m.weight._version) for m, o in zip(self.members, outs) if m is not member}
+        self.kept = {m: o for m, o in zip(self.members, outs) if m is not member}
         self.input, self.version = x, x._version
         return outs[self.members.index(member)]
 
