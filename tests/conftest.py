@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdraft import fastpath
 from specdraft.models import Target, load_target
 
 # The engine caches each target's measured cost curve; the tests' tiny random models (and
@@ -113,3 +114,12 @@ def smol_parity_cases(smol) -> list[tuple[list[int], list[int]]]:
         ids = smol.encode_prompt(questions[i]["prompt"], chat=True)
         out.append((ids, hf_greedy(smol.model, ids, PARITY_NEW_TOKENS)))
     return out
+
+
+# Whether this CPU runs oneDNN's packed bfloat16 product bitwise like F.linear (it needs
+# avx512bw/vl/dq or avx_ne_convert: the AVX2-only EPYC has neither and keeps stock F.linear).
+# Tests of the grouping and fallback logic run on any CPU with a stand-in product; only the
+# checks of the real kernel's bits need it.
+PACKED_HERE = fastpath.packed_is_stock(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16))
+NEEDS_PACKED = pytest.mark.skipif(not PACKED_HERE, reason="no oneDNN packed bf16 product on this CPU; "
+                                  "the fallback and logic tests cover it with a stand-in")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import make_tiny_llama
+from conftest import NEEDS_PACKED, PACKED_HERE, make_tiny_llama
 from drafters_for_tests import RandomBeamsDrafter
 from specdraft import SamplingParams, SpeculativeEngine, fastpath, models
 from specdraft.acceptance import Acceptance
@@ -195,13 +195,6 @@ def linear_calls(target, n: int) -> list:
         target.logits(target.forward(ids, 5 + torch.arange(n)[None], cache.attention_mask(chain), cache))
     weights = {tuple(m.weight.shape) for m in target.model.modules() if isinstance(m, torch.nn.Linear)}
     return [c for c in log.calls if any(s in weights for s in c[1])]
-
-
-# Whether this CPU runs oneDNN's packed bfloat16 product bitwise like F.linear (it needs
-# avx512bw/vl/dq or avx_ne_convert: the AVX2-only EPYC has neither and keeps stock F.linear).
-PACKED_HERE = fastpath.packed_is_stock(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16))
-NEEDS_PACKED = pytest.mark.skipif(not PACKED_HERE, reason="no oneDNN packed bf16 path on this CPU; "
-                                  "test_packed_layout_falls_back_where_the_cpu_lacks_it covers it")
 
 
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=NEEDS_PACKED)])

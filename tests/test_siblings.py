@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import NEEDS_PACKED
 from specdraft import fastpath, siblings
 from specdraft.models import load_target
 from specdraft.timing import prefill
 
-PACKED_HERE = fastpath.packed_is_stock(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16))
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def test_one_product_serves_the_group(tiny_target_path, stock_packing, monkeypat
     assert len(calls) == 4 * target.num_layers + 1
 
 
-@pytest.mark.skipif(not PACKED_HERE, reason="no oneDNN packed bf16 product on this CPU (the logic tests run with a stand-in)")
+@NEEDS_PACKED
 def test_stacked_forward_is_bitwise_the_separate_one(tiny_target_path, fresh_layouts):
     """With oneDNN's real packed product: engine forwards of 1-9 tree tokens give bitwise the
     logits of the same model with every linear on its own."""
