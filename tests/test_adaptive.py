@@ -947,6 +947,25 @@ def test_a_bad_start_does_not_turn_a_steady_drafter_off():
     assert policy.plan([row], budget, 0) == 0
 
 
+def test_a_failed_probe_does_not_stay_on():
+    """``stays_on`` keeps a drafting row on while its rate is within a posterior deviation
+    of break-even; a row that drafted only because a probe was due was not on: after a probe
+    whose rate's mean says off the plan goes off and the probe is recorded as a loss (it
+    stayed on for one more draft, and counted as a win, on 1 of 15 runs of the always-wrong
+    engine test, depending on when the probe credit allowed the probe)."""
+    def weak_row() -> RowStats:  # mean 0.06 < LINEAR's 0.1 break-even, one deviation above it
+        s = RowStats(prior=0.05)
+        s.trials[0], s.hits[0] = 3, 0.2
+        return s
+
+    on = AdaptivePolicy(LINEAR)
+    assert on.plan([weak_row()], torch.tensor([5]), 0) == 1 and on.staying
+    probed = AdaptivePolicy(LINEAR)
+    probed.probed_rows = 1  # the last plan was a probe's
+    assert probed.plan([weak_row()], torch.tensor([5]), 0) == 0 and not probed.staying
+    assert probed.probe_record == {1: (0.0, 1.0)}
+
+
 def test_a_plan_prices_the_plain_steps_of_calls_that_draft_nothing():
     """A lookup drafts for a row on a minority of calls; when it drafts for no row the step
     runs plain. Four rows offered on a quarter of calls each (no row: 0.75^4 = 32% of steps)

@@ -272,7 +272,8 @@ class AdaptivePolicy:
         seconds = self.seconds(len(stats), width, offered=1 - math.prod(1 - s.offer_rate for s in stats))
         self.extra = self.slack(len(stats), seconds(0))  # the engine drafts to depth + extra
         n = best_size(gains, counts, seconds, weights)
-        self.staying = n == 0 and self.stays_on(stats, counts, seconds, weights)
+        # After a probe the rows were not "on": a failed probe must not stay on (nor count as a win).
+        self.staying = n == 0 and not self.probed_rows and self.stays_on(stats, counts, seconds, weights)
         n = 1 if self.staying else n
         if n and len(stats) > LOOK_MAX_ROWS and not pays_clearly(gains, counts, seconds, weights, n):
             n = 0
