@@ -6,6 +6,9 @@ concurrency level, stops the server with SIGTERM, and prints a Markdown table:
 
     requests/s   finished requests / wall seconds of the level
     tokens/s     completion tokens (from each response's usage) / wall seconds
+    tok/req      mean completion tokens per request: in bfloat16 two servers' greedy texts may part
+                 at near-ties and end at different lengths, which moves tokens/s without any change
+                 in speed; ``--ignore-eos`` makes every answer max_tokens long so rates compare speed
     τ            mean tokens per target forward of the level's requests (from /metrics)
     p50/p95 latency, p50 TTFT  per request, seconds
 
@@ -57,6 +60,9 @@ def main() -> None:
                     help="requests per level (at least the concurrency): one number, or one per level (8,16,32)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-batch-size", type=int, default=16)
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="every answer max_tokens long (greedy texts that part at bfloat16 near-ties end "
+                         "at different lengths otherwise, and tokens/s then compares texts, not speed)")
     ap.add_argument("--completions", action="store_true",
                     help="use /v1/completions with raw prompts (for targets without a chat template)")
     ap.add_argument("--out", help="also write the table here after every round (medians of the rounds so far), "
@@ -176,6 +182,8 @@ def send(url: str, args, prompt: str) -> dict:
     """One streamed greedy request: {'tokens', 'latency', 'ttft'}."""
     body = {"model": "bench", "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
+    if args.ignore_eos:
+        body["ignore_eos"] = True  # our server's extension (as vLLM's): every answer max_tokens long
     if args.completions:
         path, body["prompt"] = "/v1/completions", prompt
     else:
@@ -240,6 +248,7 @@ def summarise(chunks: list[dict]) -> dict:
     latencies = sorted(r["latency"] for r in results)
     return {
         "requests": n, "wall": wall, "rps": n / wall, "tps": sum(r["tokens"] for r in results) / wall,
+        "per_request": sum(r["tokens"] for r in results) / max(n, 1),
         "tau": sum(c["tau"][0] for c in chunks) / steps if steps else float("nan"),
         "p50": statistics.median(latencies), "p95": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))],
         "ttft": statistics.median(r["ttft"] for r in results),
@@ -255,17 +264,18 @@ def print_table(args, rows, rounds: int, file=None) -> None:
     dtype = resolve_dtype(args.dtype, args.device)  # what the server ran ("auto" resolved the same way)
     print(f"\n`specdraft serve`, target {args.target} ({args.device}, {dtype}), "
           f"{'completions' if args.completions else 'chat'}, greedy, max_tokens {args.max_tokens}, "
-          f"--max-batch-size {args.max_batch_size}, {os.cpu_count()} CPUs, "
+          f"--max-batch-size {args.max_batch_size}, {'EOS ignored, ' if getattr(args, 'ignore_eos', False) else ''}"
+          f"{os.cpu_count()} CPUs, "
           f"median of {rounds} interleaved round(s) (every second round in reverse drafter order"
           + (f"; within a level, chunks of {args.wave} x concurrency requests to every server in turn" if getattr(args, "wave", 0) else "")
           + ")\n", file=file)
-    print("| drafter | concurrency | requests | requests/s | tokens/s | vs `none` | per round | τ "
+    print("| drafter | concurrency | requests | requests/s | tokens/s | tok/req | vs `none` | per round | τ "
           "| p50 latency (s) | p95 latency (s) | p50 TTFT (s) |", file=file)
-    print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|", file=file)
+    print("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|", file=file)
     for drafter, c, r in rows:
         vs = f"{r['vs_none']:.2f}×" if r["vs_none"] is not None else "–"
         each = " ".join(f"{x:.2f}" for x in r["vs_none_rounds"]) if drafter != "none" else ""
-        print(f"| {drafter} | {c} | {r['requests']} | {r['rps']:.2f} | {r['tps']:.1f} | {vs} | {each} | {r['tau']:.2f} | "
+        print(f"| {drafter} | {c} | {r['requests']} | {r['rps']:.2f} | {r['tps']:.1f} | {r.get('per_request', float('nan')):.1f} | {vs} | {each} | {r['tau']:.2f} | "
               f"{r['p50']:.2f} | {r['p95']:.2f} | {r['ttft']:.3f} |", file=file)
 
 

@@ -553,16 +553,19 @@ def test_server_bench_script_pairs_each_round_with_plain_decoding(tmp_path):
     spec.loader.exec_module(module)
 
     def run(tps):
-        return {"requests": 8, "wall": 1.0, "rps": 1.0, "tps": tps, "tau": 1.0, "p50": 1.0, "p95": 1.0, "ttft": 0.1}
+        return {"requests": 8, "wall": 1.0, "rps": 1.0, "tps": tps, "per_request": tps / 2, "tau": 1.0,
+                "p50": 1.0, "p95": 1.0, "ttft": 0.1}
 
     runs = {("none", 1): [run(10.0), run(5.0), run(10.0)], ("lookup", 1): [run(12.0), run(5.5), run(9.0)]}
     rows = module.table_rows(runs, ["none", "lookup"], [1])
     lookup = rows[1][2]
     assert lookup["vs_none_rounds"] == pytest.approx([1.2, 1.1, 0.9])
     assert lookup["vs_none"] == pytest.approx(1.1)  # not 9.0 / 10.0: medians of ratios, not ratio of medians
-    args = argparse.Namespace(dtype="float32", device="cpu", target="t", completions=True, max_tokens=8, max_batch_size=16)
+    args = argparse.Namespace(dtype="float32", device="cpu", target="t", completions=True, max_tokens=8, max_batch_size=16,
+                              ignore_eos=True)
     with open(tmp_path / "table.md", "w") as f:
         module.print_table(args, rows, 3, f)
     text = (tmp_path / "table.md").read_text()
     assert "median of 3 interleaved round(s)" in text
-    assert "| lookup | 1 | 8 | 1.00 | 9.0 | 1.10× | 1.20 1.10 0.90 | 1.00 |" in text
+    assert "| lookup | 1 | 8 | 1.00 | 9.0 | 4.5 | 1.10× | 1.20 1.10 0.90 | 1.00 |" in text  # tok/req: median
+    assert "EOS ignored" in text
