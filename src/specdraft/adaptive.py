@@ -294,7 +294,8 @@ class AdaptivePolicy:
         STAY_ON_SPREAD posterior deviations. A rate rests on ~20 decayed trials (sd ~0.1): the
         shipped draft model (0.26 against a 0.17 break-even at batch 1) dipped below on 38% of
         MT-Bench steps, and the steps it kept accepted no more (0.265) than fixed gamma = 1's
-        all did (0.26): noise, not evidence, and 0.96x the fixed shape."""
+        all did (0.26): noise, not evidence, and 0.96x the fixed shape. Not right after a
+        probe (``plan`` checks): a row that drafted only to probe was not on."""
         if len(stats) > LOOK_MAX_ROWS or not all(s.off_streak == 0 and s.trials[0] for s in stats):
             return False
         depth = max(counts, default=0)
