@@ -264,7 +264,7 @@ def print_table(args, rows, rounds: int, file=None) -> None:
     dtype = resolve_dtype(args.dtype, args.device)  # what the server ran ("auto" resolved the same way)
     print(f"\n`specdraft serve`, target {args.target} ({args.device}, {dtype}), "
           f"{'completions' if args.completions else 'chat'}, greedy, max_tokens {args.max_tokens}, "
-          f"--max-batch-size {args.max_batch_size}, {'EOS ignored, ' if getattr(args, 'ignore_eos', False) else ''}"
+          f"--max-batch-size {args.max_batch_size}, {'EOS ignored, ' if args.ignore_eos else ''}"
           f"{os.cpu_count()} CPUs, "
           f"median of {rounds} interleaved round(s) (every second round in reverse drafter order"
           + (f"; within a level, chunks of {args.wave} x concurrency requests to every server in turn" if getattr(args, "wave", 0) else "")
@@ -275,7 +275,7 @@ def print_table(args, rows, rounds: int, file=None) -> None:
     for drafter, c, r in rows:
         vs = f"{r['vs_none']:.2f}×" if r["vs_none"] is not None else "–"
         each = " ".join(f"{x:.2f}" for x in r["vs_none_rounds"]) if drafter != "none" else ""
-        print(f"| {drafter} | {c} | {r['requests']} | {r['rps']:.2f} | {r['tps']:.1f} | {r.get('per_request', float('nan')):.1f} | {vs} | {each} | {r['tau']:.2f} | "
+        print(f"| {drafter} | {c} | {r['requests']} | {r['rps']:.2f} | {r['tps']:.1f} | {r['per_request']:.1f} | {vs} | {each} | {r['tau']:.2f} | "
               f"{r['p50']:.2f} | {r['p95']:.2f} | {r['ttft']:.3f} |", file=file)
 
 
