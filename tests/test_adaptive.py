@@ -154,9 +154,9 @@ def test_generate_weighs_rows_by_finish_and_continuous_batching_does_not(tiny_ta
     seen = []
 
     class Spy(AdaptivePolicy):
-        def plan(self, stats, budget, width, weights=None):
+        def plan(self, stats, budget, width, weights=None, reach=None):
             seen.append(weights)
-            return super().plan(stats, budget, width, weights)
+            return super().plan(stats, budget, width, weights, reach)
 
     engine = SpeculativeEngine(tiny_target, LookupDrafter(1, 4), policy=Spy(LINEAR))
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 6)]
@@ -404,6 +404,45 @@ def test_draft_calls_after_plain_steps_are_timed_apart(tiny_target):
     SpeculativeEngine(tiny_target, LookupDrafter(1, 4), policy=policy).generate(PROMPTS[:1], params)
     # drafting steps 1, 2 | plain | 4, 5, 6 | plain, plain | 9
     assert kinds == [False, True, False, True, True, False]
+
+
+def test_drafters_say_how_deep_one_call_can_draft():
+    from specdraft.drafters.combined import CombinedDrafter
+
+    assert LookupDrafter(1, 4).max_depth() == 3 and NoDrafter().max_depth() == 0
+    assert CombinedDrafter([LookupDrafter(1, 4), LookupDrafter(2, 6)]).max_depth() == 5
+    assert CombinedDrafter([LookupDrafter(1, 4), RandomBeamsDrafter(5)]).max_depth() is None  # no bound known
+
+
+def test_the_plan_prices_only_depths_the_drafter_can_reach(tiny_target):
+    """A 1 x 3 drafter drafts 2 tokens at most: plans deeper than that priced gains that
+    are not there, and its timer filed the same 2-deep call under a dozen depths (a 1 x 3
+    head on MT-Bench was planned 5 and 11 deep, timed under depths 2-12), where one stale
+    depth could switch the slack off for good. Plans, slack and timings stay within reach."""
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    policy = AdaptivePolicy(FLAT4)
+    plans, plan = [], policy.plan
+    policy.plan = lambda *a, **k: plans.append(plan(*a, **k)) or plans[-1]
+    SpeculativeEngine(tiny_target, LookupDrafter(1, 3), policy=policy).generate(PROMPTS[1:2], params)
+    assert plans and max(plans) <= 2 and max(plans) >= 1, plans
+    assert policy.draft_time.seconds and set(policy.draft_time.seconds) <= {1, 2}, policy.draft_time.seconds
+
+
+def test_one_stalled_drafter_call_barely_moves_its_depths_time():
+    """A drafter call that stalled (another process, a page fault) counts as at most twice
+    the estimate: a depth the plan then stops asking for is never re-timed, so one stall of
+    a 2-deep call must not price one more depth above the slack's share for good."""
+    from specdraft.steptime import DraftTimer, MAX_JUMP
+
+    timer = DraftTimer()
+    for seconds in (0.02, 0.001, 0.002):  # the first call is not counted
+        timer.record(1 + (seconds > 0.0015), seconds)
+    timer.record(2, 0.1)  # 50x the estimate
+    assert timer(2) == pytest.approx(0.8 * 0.002 + 0.2 * MAX_JUMP * 0.002)
+    assert timer.per_depth() < 0.0015
+    for _ in range(30):  # a real slow-down still comes through
+        timer.record(2, 0.01)
+    assert timer(2) > 0.009
 
 
 def test_a_probe_is_priced_with_the_catch_up_call():

@@ -159,6 +159,7 @@ class AdaptivePolicy:
         self.draft_time = DraftTimer()
         self.step_ratio = StepCostRatio()
         self.extra = 0  # depth the engine drafts beyond the plan this step (``slack``)
+        self.reach = MAX_DEPTH  # the deepest the drafter can draft this step (``plan``'s budget)
         self.probe_credit = 0.0  # seconds of exploration earned (explore_share of each step)
         self.probe_bill: tuple[float, float] | None = None  # a probe's (charged, plain) seconds (settle_probe)
         self.probe_record: dict[int, tuple[float, float]] = {}  # batch bucket -> decayed (wins, probes)
@@ -187,10 +188,11 @@ class AdaptivePolicy:
         return (PRIOR_STRENGTH * base + self.pool_hits) / (PRIOR_STRENGTH + self.pool_trials)
 
     def seconds(self, rows: int, width: int, draft_depth: int = 0, drafted: float | None = None,
-                catch_up: bool = False, offered: float = 1.0):
+                catch_up: bool = False, offered: float = 1.0, reach: int = MAX_DEPTH):
         """n -> seconds of a step whose longest row verifies 1 + n tokens. Drafting: the
         ``drafted`` seconds already spent this step (the same for every n), else the timer's
-        estimate for the depth the step would draft (a call after plain steps' if ``catch_up``).
+        estimate for the depth the step would draft, n + slack but at most ``reach`` (a call
+        after plain steps' if ``catch_up``).
         ``offered``: P(the call drafts for any row); if it drafts for none, the step runs plain
         (a lookup without a match at 4 rows: priced as trees, its plans lost to its fixed shape)."""
         timer = self.draft_time.catch_up if catch_up else self.draft_time
@@ -201,11 +203,16 @@ class AdaptivePolicy:
         tree = max(self.step_ratio(True, rows), self.step_ratio(False, rows))
 
         def step(n: int) -> float:
-            draft = drafted if drafted is not None else timer(draft_depth or (n and n + extra))
+            draft = drafted if drafted is not None else timer(draft_depth or (n and min(n + extra, reach)))
             # a tree step is never cheaper than a plain one (the ratios are estimates)
             verify = max(self.cost(rows * (1 + n), width, rows) * tree, plain) if n else plain
             return offered * verify + (1 - offered) * plain + draft
         return step
+
+    def call_depth(self, n: int) -> int:
+        """How deep the drafter call of a step planned at ``n`` drafts: n + slack, at most
+        the reach ``plan`` saw (timed under that depth: ``DraftTimer``)."""
+        return min(n + self.extra, self.reach)
 
     def slack(self, rows: int, plain: float) -> int:
         """Depth to draft beyond the plan (SLACK or 0), a plain step taking ``plain`` seconds: a
@@ -251,17 +258,19 @@ class AdaptivePolicy:
             self.probed_rows = 0
 
     def plan(self, stats: list[RowStats], budget: torch.Tensor, width: int,
-             weights: list[float] | None = None) -> int:
+             weights: list[float] | None = None, reach: int | None = None) -> int:
         """Depth to draft this step (0: drafting off, no drafter call), from the rates alone.
 
         budget (B,): tokens a row may hold, g0 included (so it drafts <= budget - 1);
+        reach: the deepest one drafter call can draft (``Drafter.max_depth``, None: no bound),
+        so deeper gains, which are not there, are never priced;
         weights: what each row's tokens are worth (``finish_weights``; None: 1 each).
         ``self.probing`` says whether the depth is a probe's (``afford_probe``)."""
         self.probing = self.looking = self.staying = False
         self.extra = 0
         self.draft_time.gap = max((s.off_streak for s in stats), default=0)  # what a call now catches up on
-        counts = (budget - 1).clamp(min=0, max=MAX_DEPTH).tolist()
-        depth = max(counts, default=0)
+        counts = (budget - 1).clamp(min=0, max=MAX_DEPTH if reach is None else min(reach, MAX_DEPTH)).tolist()
+        depth = self.reach = max(counts, default=0)
         if any(s.fixed for s in stats):  # never off: a fixed row's verification must not change
             return max(depth, 1)
         if depth == 0 or self.step_ratio.plain_due(len(stats)):  # steptime.PLAIN_EVERY
@@ -269,7 +278,7 @@ class AdaptivePolicy:
         # A row's expected gain counts only calls that draft for it (a lookup's rows without
         # a match add nothing but still pad the tree): the rates are given an offer.
         gains = [chain_gains(s.rates(depth), s.offer_rate) for s in stats]
-        seconds = self.seconds(len(stats), width, offered=1 - math.prod(1 - s.offer_rate for s in stats))
+        seconds = self.seconds(len(stats), width, offered=1 - math.prod(1 - s.offer_rate for s in stats), reach=depth)
         self.extra = self.slack(len(stats), seconds(0))  # the engine drafts to depth + extra
         n = best_size(gains, counts, seconds, weights)
         # After a probe the rows were not "on": a failed probe must not stay on (nor count as a win).
@@ -282,7 +291,7 @@ class AdaptivePolicy:
                 self.look_is_cheap(seconds, depth):
             self.looking = True
             return depth
-        probe_seconds = self.seconds(len(stats), width, catch_up=True)
+        probe_seconds = self.seconds(len(stats), width, catch_up=True, reach=depth)
         self.probing = n == 0 and self.afford_probe(stats, counts, seconds, weights, probe_seconds)
         self.probed_rows = len(stats) if self.probing else 0
         return 1 if self.probing else n
@@ -314,7 +323,7 @@ class AdaptivePolicy:
         and a last proposal with usable confidences."""
         if not self.confident or not self.draft_time.seconds:
             return False
-        return self.draft_time(depth + SLACK) <= LOOK_SHARE * seconds(0)
+        return self.draft_time(depth) <= LOOK_SHARE * seconds(0)  # a look drafts to the reach
 
     def observe_look(self, stats: list[RowStats], gained: int, seconds: float, width: int) -> None:
         """A look step (``self.looking``) made B + ``gained`` tokens in ``seconds`` (wall,

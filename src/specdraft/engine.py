@@ -180,12 +180,12 @@ class SpeculativeEngine:
         step_start, width = time.perf_counter(), cache.width  # the policy learns what steps really cost
         weights = finish_weights(self._remaining(batch.rows)) if stats is not None and batch.static else None
         if stats is not None:
-            depth = self.policy.plan(stats, ctx.budget, cache.width, weights)
+            depth = self.policy.plan(stats, ctx.budget, cache.width, weights, reach=self.drafter.max_depth())
             self.trace(self.policy, stats, depth, cache.width)
             if depth == 0:
                 batch.steady = False  # the drafter's next call catches up on this step's token
                 return self._plain_step(batch, proposed=False, started=step_start)
-            ctx = replace(ctx, budget=ctx.budget.clamp(max=depth + 1 + self.policy.extra))
+            ctx = replace(ctx, budget=ctx.budget.clamp(max=self.policy.call_depth(depth) + 1))
         with timer("draft"):
             started = time.perf_counter()
             proposal = self._clip(self.drafter.propose(ctx), ctx.budget)
@@ -255,7 +255,7 @@ class SpeculativeEngine:
                seconds: float, weights: list[float] | None) -> Proposal:
         """Cut the proposal to what the policy finds worth verifying (valid mask only)."""
         stats = [r.adapt for r in batch.rows]
-        self.policy.draft_time.record(depth + self.policy.extra, seconds, steady=batch.steady)  # DraftTimer.catch_up
+        self.policy.draft_time.record(self.policy.call_depth(depth), seconds, steady=batch.steady)  # DraftTimer.catch_up
         batch.steady = True
         self.policy.observe_offers(stats, proposal.valid[:, :, 1:].any(dim=2).any(dim=1).tolist())
         # Sampled drafts (q) must not be cut by their own drawn tokens' confidences.

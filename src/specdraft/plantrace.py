@@ -13,7 +13,8 @@ first traced step; a1, k1, offer: each row's depth-1 rate, the strength of its p
 trials (``RateSpread``) and its offer rate (``RowStats``); pool:
 the pooled depth-1 rate a new request starts from; s: the modelled seconds of a step
 verifying 1, 2, 3 tokens per row (``AdaptivePolicy.seconds``); ratio: the step-cost ratios
-at this batch size; credit / share: the probe credit and its share.
+at this batch size; credit / share: the probe credit and its share; extra: the depth drafted
+beyond the plan (``AdaptivePolicy.slack``); draft: the drafter call's seconds by depth (``DraftTimer``).
 Off (the default), it costs one attribute read per step.
 """
 
@@ -37,7 +38,7 @@ class PlanTrace:
         now = time.perf_counter()
         self.start = now if self.start is None else self.start
         rows = len(stats)
-        seconds = policy.seconds(rows, width)
+        seconds = policy.seconds(rows, width, reach=policy.reach)
         record = {
             "pid": os.getpid(), "drafter": self.drafter, "t": round(now - self.start, 3), "rows": rows, "depth": depth,
             "probe": policy.probing, "look": policy.looking,
@@ -48,6 +49,7 @@ class PlanTrace:
             "ratio": {"plain": round(policy.step_ratio(False, rows), 3), "tree": round(policy.step_ratio(True, rows), 3)},
             "credit": round(policy.probe_credit, 4), "share": round(policy.explore_share(rows), 4),
             "catch_up": {"gap": policy.draft_time.gap, "per_step": round(policy.draft_time.per_step, 5)},
+            "extra": policy.extra, "draft": {d: round(v, 5) for d, v in sorted(policy.draft_time.seconds.items())},
         }
         with open(self.path, "a") as f:  # one line per step: a crash loses nothing before it
             f.write(json.dumps(record) + "\n")

@@ -29,7 +29,12 @@ class DraftTimer:
     ~5, and more the longer the rows were off. ``catch_up()`` prices a call after ``gap``
     plain steps (a probe) as the steady call plus ``per_step`` seconds per step missed,
     learnt from calls after plain steps (calls after rows joined feed whole prompts, once:
-    not recorded); a plan to draft from now on is priced by the steady calls."""
+    not recorded); a plan to draft from now on is priced by the steady calls.
+
+    Depths are the depths calls really drafted to (``AdaptivePolicy.call_depth``, never
+    beyond ``Drafter.max_depth``), and one reading moves an estimate by at most MAX_JUMP x
+    before weighting: the plan stops asking for a depth that looks dear, and then never
+    re-times it."""
 
     def __init__(self, weight: float = 0.2):
         self.weight, self.seconds = weight, {}
@@ -49,7 +54,10 @@ class DraftTimer:
                 self.per_step = (1 - self.weight) * self.per_step + self.weight * reading if self.per_step else reading
             return
         old = self.seconds.get(depth)
-        self.seconds[depth] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
+        if old is None:
+            self.seconds[depth] = seconds
+        else:  # a stalled call moves the estimate by at most MAX_JUMP x: the plan may stop asking for that depth
+            self.seconds[depth] = (1 - self.weight) * old + self.weight * min(seconds, MAX_JUMP * old)
 
     def catch_up(self, depth: int) -> float:
         """Estimate for a call at ``depth`` after ``gap`` plain steps: the steady call's plus

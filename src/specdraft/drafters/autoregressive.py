@@ -13,5 +13,8 @@ class NoDrafter(Drafter):
     name = "none"
     acceptance_prior = 0.0  # it never drafts: adaptive drafting keeps every step plain
 
+    def max_depth(self) -> int:
+        return 0
+
     def propose(self, ctx: DraftContext) -> Proposal:
         return single_beam(ctx.g0)

@@ -113,6 +113,14 @@ class Drafter(ABC):
         decoding's), so only then must the adaptive policy keep its shape fixed."""
         return False
 
+    def max_depth(self) -> int | None:
+        """The deepest drafted token (g0 not counted) one call can propose, whatever the
+        budget; None: as deep as the budget allows. Adaptive drafting plans and times calls
+        by depth, so it must not price depths a drafter cannot reach: a 1 x 3 head was
+        planned 5 and 11 deep on a 256-token answer, and the same 2-deep call was timed
+        under a dozen depths (docs/engine.md, "A drafter's reach")."""
+        return None
+
     def fit_shape(self, cost) -> None:
         """Adaptive drafting is on, over ``cost`` (the target's ``costmodel.CostModel`` on
         this machine): a drafter may widen the default shape it proposes from, since the

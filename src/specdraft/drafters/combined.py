@@ -60,6 +60,10 @@ class CombinedDrafter(Drafter):
     def samples_drafts(self, ctx: DraftContext) -> bool:
         return self._sampler(ctx) is not None
 
+    def max_depth(self) -> int | None:
+        depths = [p.max_depth() for p in self.parts]
+        return None if None in depths else max(depths)
+
     def fit_shape(self, cost) -> None:
         for p in self.parts:
             p.fit_shape(cost)

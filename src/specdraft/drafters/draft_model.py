@@ -119,6 +119,9 @@ class DraftModelDrafter(Drafter):
                       for p in ctx.params] if ctx.params else [None] * B
         return cache, ids, generators
 
+    def max_depth(self) -> int:
+        return self.gamma
+
     def may_sample_drafts(self) -> bool:
         return self.W == 1 and self.gamma > 0
 

@@ -31,6 +31,9 @@ class LookupDrafter(Drafter):
         self.W, self.L = beam_width, beam_length
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
+    def max_depth(self) -> int:
+        return self.L - 1
+
     def continuations(self, history: torch.Tensor) -> list[torch.Tensor]:
         """Up to W distinct continuations (each <= L-1 tokens) of ``history`` (T,).
 

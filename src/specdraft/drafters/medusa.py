@@ -34,6 +34,9 @@ class MedusaDrafter(Drafter):
     def load(cls, path, target, beam_width: int | None = None, beam_length: int | None = None) -> "MedusaDrafter":
         return cls(MedusaHeads.load(path, target), beam_width, beam_length)
 
+    def max_depth(self) -> int:
+        return self.L - 1
+
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> Proposal:
         L = min(self.L, int(ctx.budget.max()))

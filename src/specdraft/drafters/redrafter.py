@@ -119,6 +119,9 @@ class ReDrafter(Drafter):
     def samples_drafts(self, ctx: DraftContext) -> bool:
         return self.may_sample_drafts() and int(ctx.budget.max()) > 1 and not bool(ctx.greedy.all())
 
+    def max_depth(self) -> int:
+        return self.L - 1
+
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> Proposal:
         # No row may use more than its budget: drafting deeper would only be clipped away.
