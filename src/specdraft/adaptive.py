@@ -188,10 +188,10 @@ class AdaptivePolicy:
         return (PRIOR_STRENGTH * base + self.pool_hits) / (PRIOR_STRENGTH + self.pool_trials)
 
     def seconds(self, rows: int, width: int, draft_depth: int = 0, drafted: float | None = None,
-                catch_up: bool = False, offered: float = 1.0, reach: int = MAX_DEPTH):
+                catch_up: bool = False, offered: float = 1.0):
         """n -> seconds of a step whose longest row verifies 1 + n tokens. Drafting: the
         ``drafted`` seconds already spent this step (the same for every n), else the timer's
-        estimate for the depth the step would draft, n + slack but at most ``reach`` (a call
+        estimate for the depth the step would draft, n + slack but at most ``self.reach`` (a call
         after plain steps' if ``catch_up``).
         ``offered``: P(the call drafts for any row); if it drafts for none, the step runs plain
         (a lookup without a match at 4 rows: priced as trees, its plans lost to its fixed shape)."""
@@ -203,7 +203,7 @@ class AdaptivePolicy:
         tree = max(self.step_ratio(True, rows), self.step_ratio(False, rows))
 
         def step(n: int) -> float:
-            draft = drafted if drafted is not None else timer(draft_depth or (n and min(n + extra, reach)))
+            draft = drafted if drafted is not None else timer(draft_depth or (n and min(n + extra, self.reach)))
             # a tree step is never cheaper than a plain one (the ratios are estimates)
             verify = max(self.cost(rows * (1 + n), width, rows) * tree, plain) if n else plain
             return offered * verify + (1 - offered) * plain + draft
@@ -278,7 +278,7 @@ class AdaptivePolicy:
         # A row's expected gain counts only calls that draft for it (a lookup's rows without
         # a match add nothing but still pad the tree): the rates are given an offer.
         gains = [chain_gains(s.rates(depth), s.offer_rate) for s in stats]
-        seconds = self.seconds(len(stats), width, offered=1 - math.prod(1 - s.offer_rate for s in stats), reach=depth)
+        seconds = self.seconds(len(stats), width, offered=1 - math.prod(1 - s.offer_rate for s in stats))
         self.extra = self.slack(len(stats), seconds(0))  # the engine drafts to depth + extra
         n = best_size(gains, counts, seconds, weights)
         # After a probe the rows were not "on": a failed probe must not stay on (nor count as a win).
@@ -291,7 +291,7 @@ class AdaptivePolicy:
                 self.look_is_cheap(seconds, depth):
             self.looking = True
             return depth
-        probe_seconds = self.seconds(len(stats), width, catch_up=True, reach=depth)
+        probe_seconds = self.seconds(len(stats), width, catch_up=True)
         self.probing = n == 0 and self.afford_probe(stats, counts, seconds, weights, probe_seconds)
         self.probed_rows = len(stats) if self.probing else 0
         return 1 if self.probing else n

@@ -38,7 +38,7 @@ class PlanTrace:
         now = time.perf_counter()
         self.start = now if self.start is None else self.start
         rows = len(stats)
-        seconds = policy.seconds(rows, width, reach=policy.reach)
+        seconds = policy.seconds(rows, width)
         record = {
             "pid": os.getpid(), "drafter": self.drafter, "t": round(now - self.start, 3), "rows": rows, "depth": depth,
             "probe": policy.probing, "look": policy.looking,
