@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import NEEDS_PACKED, PACKED_HERE, make_tiny_llama
 from drafters_for_tests import RandomBeamsDrafter
 from specdraft import SamplingParams, SpeculativeEngine, fastpath, models
+from specdraft.errors import SpecdraftError
 from specdraft.acceptance import Acceptance
 from specdraft.bench.verify_cost import monotone_violations
 from specdraft.cli import main
@@ -339,21 +340,16 @@ def test_engine_greedy_with_padded_rows_matches_generate(tiny_target):
     assert ours.token_ids == hf_greedy(tiny_target.model, prompt, 16, tiny_target.eos_ids)
 
 
-def test_bf16_tree_rows_equal_one_token_steps(tiny_target_path, monkeypatch):
-    """In bfloat16, a verify forward of a 6-token chain gives, row by row, bitwise the logits
-    of six one-token forwards (tree queries run in SDPA calls of QUERY_CHUNK rows)."""
+def chain_and_steps(target, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits (N, V) of ``ids`` verified as one chain after 5 cached tokens, and of the same
+    tokens fed one forward at a time."""
     from specdraft.timing import prefill
 
-    target = load_target(str(tiny_target_path), dtype="bfloat16")
-    calls = []
-    real = fastpath.chunked_sdpa
-    monkeypatch.setattr(fastpath, "chunked_sdpa", lambda *a, **k: calls.append(a[1].shape[2]) or real(*a, **k))
-    fastpath.register_attention()
-    ids = [3, 7, 2, 9, 4, 5]
+    n = len(ids)
     with torch.no_grad():
         cache = prefill(target, 5, 16)
-        chain = torch.ones(6, 6, dtype=torch.bool).tril()[None]
-        tree = target.logits(target.forward(torch.tensor([ids]), 5 + torch.arange(6)[None],
+        chain = torch.ones(n, n, dtype=torch.bool).tril()[None]
+        tree = target.logits(target.forward(torch.tensor([ids]), 5 + torch.arange(n)[None],
                                             cache.attention_mask(chain), cache))[0]
         cache = prefill(target, 5, 16)
         steps = []
@@ -362,10 +358,52 @@ def test_bf16_tree_rows_equal_one_token_steps(tiny_target_path, monkeypatch):
             h = target.forward(torch.tensor([[tok]]), torch.tensor([[5 + i]]), cache.attention_mask(one), cache)
             cache.commit(torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
             steps.append(target.logits(h)[0, 0])
-    monkeypatch.undo()
-    fastpath.register_attention()  # the real function again, for later tests
-    assert 6 in calls  # the tree forward went through the chunking attention
-    assert all(torch.equal(tree[i], steps[i]) for i in range(6))
+    return tree, torch.stack(steps)
+
+
+@pytest.mark.parametrize("mode", ["bitwise", "fast"])
+def test_bf16_tree_attention_modes(tiny_target_path, monkeypatch, mode):
+    """In bfloat16, with ``tree_attention="bitwise"`` a verify forward of a 6-token chain gives,
+    row by row, bitwise the logits of six one-token forwards (tree queries run in SDPA calls of
+    QUERY_CHUNK rows); with "fast" (the default) each layer attends in one call of 6 rows, and
+    the logits differ at most in rounding (the parity tool's near-ties)."""
+    target = load_target(str(tiny_target_path), dtype="bfloat16", tree_attention=mode)
+    assert load_target(str(tiny_target_path), dtype="bfloat16").tree_attention == "fast"
+    rows = []
+    real = fastpath.masked_gqa_sdpa
+    monkeypatch.setattr(fastpath, "masked_gqa_sdpa", lambda *a, **k: rows.append(a[1].shape[2]) or real(*a, **k))
+    tree, steps = chain_and_steps(target, [3, 7, 2, 9, 4, 5])
+    if mode == "bitwise":
+        assert max(rows) == fastpath.QUERY_CHUNK[torch.bfloat16]  # the tree's queries went in groups
+        assert torch.equal(tree, steps)
+    else:
+        assert 6 in rows and max(rows) == 6  # one call per layer
+        torch.testing.assert_close(tree, steps, atol=0.1, rtol=0.05)
+    with pytest.raises(SpecdraftError, match="tree attention"):
+        load_target(str(tiny_target_path), dtype="bfloat16", tree_attention="chunked")
+
+
+def test_tree_attention_option_reaches_the_target_and_its_cost_model(tiny_target_path):
+    """--tree-attention (default fast) becomes EngineSpec.tree_attention and the built target's;
+    a bitwise bf16 target's cost model is cached apart (its trees cost more), a float32
+    target's is not (nothing is chunked there)."""
+    from specdraft.build import EngineSpec, build_engine
+    from specdraft.cli import parse_args
+    from specdraft.cli.options import engine_spec
+    from specdraft.costmodel import cost_model_key
+
+    assert engine_spec(parse_args(["generate", "--prompt", "x"])).tree_attention == "fast"
+    spec = engine_spec(parse_args(["generate", "--prompt", "x", "--tree-attention", "bitwise"]))
+    assert spec.tree_attention == "bitwise"
+    keys = {}
+    for dtype in ("bfloat16", "float32"):
+        for mode in ("fast", "bitwise"):
+            engine = build_engine(EngineSpec(target=str(tiny_target_path), dtype=dtype, drafter="lookup",
+                                             tree_attention=mode))
+            assert engine.target.tree_attention == mode
+            keys[dtype, mode] = cost_model_key(engine.target)
+    assert keys["bfloat16", "bitwise"] == keys["bfloat16", "fast"] + "|tree=bitwise"
+    assert keys["float32", "bitwise"] == keys["float32", "fast"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

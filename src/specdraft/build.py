@@ -28,6 +28,7 @@ class EngineSpec:
     adaptive: str = "off"
     compile_drafter: bool = False  # torch.compile the drafter's model code, then warm_up
     compile_target: bool = False  # torch.compile the target's decoder stack, then warm_up
+    tree_attention: str = "fast"  # Target.tree_attention: "fast", or "bitwise" (reduced precision: see fastpath.QUERY_CHUNK)
     # The drafter's large linears in int8 where that applies (Drafter.quantize: a float32 ReDrafter
     # head on a CPU with fbgemm; elsewhere nothing changes). Exact either way: only the drafter's weights change.
     int8_drafter: bool = True
@@ -40,7 +41,7 @@ def build_engine(spec: EngineSpec):
     from .models import load_target, quiet_loading
 
     with quiet_loading():
-        target = load_target(spec.target, spec.device, spec.dtype, spec.trust_remote_code)
+        target = load_target(spec.target, spec.device, spec.dtype, spec.trust_remote_code, spec.tree_attention)
         drafter = build_drafter(spec.drafter, target, spec.beam_width, spec.beam_length, spec.gamma)
     if spec.int8_drafter:
         drafter.quantize()  # before the engine: adaptive drafting times the drafter as it will run

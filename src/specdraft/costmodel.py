@@ -40,9 +40,10 @@ COST_LONG_TOKENS = (1, 8, 32)
 BATCH_ROWS = (4, 16)  # batch sizes with their own curve (batch 1: the main curve)
 BATCH_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16)  # tokens per row measured at those batch sizes
 BUSY_SHARE = 0.1  # others' share of the CPU above which a measured model is not cached (load_cost_model)
-FORMAT = 5  # 2: with batch curves; 3: paired within rounds; 4: tree attention without repeated
+FORMAT = 6  # 2: with batch curves; 3: paired within rounds; 4: tree attention without repeated
 # key/value heads (fastpath.masked_gqa_sdpa: trees got cheaper); 5: kept only if measured on a
-# quiet machine (BUSY_SHARE): an older cached model may be a busy spell's, so it is measured again
+# quiet machine (BUSY_SHARE): an older cached model may be a busy spell's, so it is measured again;
+# 6: bf16 tree attention in one SDPA call unless Target.tree_attention is "bitwise" (trees got cheaper)
 
 
 @dataclass
@@ -149,14 +150,17 @@ def cost_model_key(target) -> str:
     """What the curve depends on: model, dtype, device, CPU threads, torch version, the
     linear layout ``fastpath`` chose for the dtype (the packed bf16 one is ~1.2x faster), and
     how many sibling linears it stacks (``siblings``: ~8% off a bf16 one-token forward), and
-    whether the target runs compiled (``Target.compile``: up to ~2x faster forwards)."""
+    whether the target runs compiled (``Target.compile``: up to ~2x faster forwards), and
+    whether its tree attention is chunked (``Target.tree_attention``: 8 tree tokens ~1.2x dearer)."""
     from . import fastpath, siblings
 
     stacked = siblings.stacked_groups(target.model) if hasattr(target, "model") else 0
+    chunked = getattr(target, "tree_attention", "fast") == "bitwise" and target.dtype in fastpath.QUERY_CHUNK
     return (f"{target.name}|{target.dtype}|{target.device}|threads={torch.get_num_threads()}|"
             f"torch={torch.__version__}|linear={fastpath.layout_name(target.dtype)}|cost={FORMAT}"
             + (f"|stacked={stacked}" if stacked else "")
-            + ("|compiled" if getattr(target, "compiled", False) else ""))
+            + ("|compiled" if getattr(target, "compiled", False) else "")
+            + ("|tree=bitwise" if chunked else ""))
 
 
 def cost_model_path(target) -> Path:

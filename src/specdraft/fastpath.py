@@ -55,16 +55,24 @@ ROW_LIMIT: dict[torch.dtype, int] = {}  # dtype -> rows up to which the packed l
 PROBE_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 40, 48, 64, 128, 256)
 MEASURE_MIN_PARAMS = 1 << 20  # a smaller weight times too fast to tell; it keeps the candidate
 _depth = 0  # > 0 while an engine forward runs
+_bitwise = False  # the engine forward running now chunks tree queries (QUERY_CHUNK)
 
 
 @contextmanager
-def active():
-    global _depth
+def active(bitwise: bool | None = None):
+    """The engine's kernels for the forwards inside; ``bitwise``: tree attention in reduced
+    precision in ``QUERY_CHUNK`` groups (``Target.tree_attention``); None keeps the outer
+    setting (a drafter's forward inside a target's)."""
+    global _depth, _bitwise
+    saved = _bitwise
     _depth += 1
+    if bitwise is not None:
+        _bitwise = bitwise
     try:
         yield
     finally:
         _depth -= 1
+        _bitwise = saved
 
 
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -247,12 +255,17 @@ def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, self.weight, self.bias, self)
 
 
-# Query rows per SDPA call in an engine forward that attends to a cache, per dtype. On CPU in
+# Query rows per SDPA call in a bitwise engine forward (``active(bitwise=True)``,
+# ``Target.tree_attention == "bitwise"``) that attends to a cache, per dtype. On CPU in
 # bfloat16 (torch 2.13), a query row's attention output is bitwise the one-query result for
 # calls of up to 3 query rows and differs in the last bits from 4 rows on (another kernel
-# path); those bits are what made tree verification part ways with one-token decoding.
-# Attention is a small part of a forward, so the few extra calls cost little.
+# path); those bits are one of the places where tree verification parts ways with one-token
+# decoding. Not the default: each extra call costs ~50 us a layer, a bf16 SmolLM2 verify
+# forward of 8 tree tokens 22.5 ms chunked against 18.9 ms whole (docs/engine.md, "Tree
+# attention: fast or bitwise"), and the parts that stay unclosed leave most long greedy
+# outputs at near-ties against generate() either way.
 QUERY_CHUNK = {torch.bfloat16: 3, torch.float16: 3}
+TREE_ATTENTION = ("fast", "bitwise")  # Target.tree_attention: one SDPA call per tree, or QUERY_CHUNK groups
 ATTENTION = "specdraft_sdpa"  # the attn_implementation name targets load with
 
 
@@ -260,11 +273,11 @@ def chunked_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
                  attention_mask: torch.Tensor | None, **kwargs):
     """transformers' SDPA attention; inside ``active()``, on CPU, queries (B, H, q, D) that
     attend to a cache (more keys than queries: a verify step, not a prefill) run as
-    ``masked_gqa_sdpa``, and at a dtype of ``QUERY_CHUNK`` in groups of ``QUERY_CHUNK[dtype]``
-    rows. Returns ((B, q, H, D), None)."""
+    ``masked_gqa_sdpa``, and inside ``active(bitwise=True)`` at a dtype of ``QUERY_CHUNK`` in
+    groups of ``QUERY_CHUNK[dtype]`` rows. Returns ((B, q, H, D), None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    rows, q = QUERY_CHUNK.get(query.dtype), query.shape[2]
+    rows, q = QUERY_CHUNK.get(query.dtype) if _bitwise else None, query.shape[2]
     # Compiled (Target.compile), chunks would not be bitwise one-token decoding anyway (inductor's
     # kernels differ per shape) and would make every tree size its own graph.
     # (Tested first: a size test before it would become a guard, one graph per side of it.)

@@ -222,6 +222,9 @@ class Target:
         self.eos_ids = self._eos_ids()
         self.compiled = False  # the decoder stack runs through torch.compile (``compile``)
         self.stance = "default"  # torch.compiler stance of compiled forwards (``warmed``)
+        # fastpath.TREE_ATTENTION: "fast" (one SDPA call per tree) or "bitwise" (in reduced
+        # precision, tree queries in groups whose outputs are bitwise one-token decoding's)
+        self.tree_attention = "fast"
 
     def _probe_forward(self) -> None:
         """One forward of two tokens: what ``siblings.find_siblings`` watches."""
@@ -274,7 +277,7 @@ class Target:
                       use_cache=True)
         if self.compiled:
             return self._compiled_states(layers, inputs)
-        with fastpath.active():
+        with fastpath.active(bitwise=self.tree_attention == "bitwise"):
             return self.states(layers, **inputs)
 
     def _compiled_states(self, layers: tuple[int, ...], inputs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -384,13 +387,16 @@ def quiet_loading() -> Iterator[None]:
 
 
 def load_target(spec: str = "default", device: str = "cpu", dtype: str = "auto",
-                trust_remote_code: bool = False) -> Target:
+                trust_remote_code: bool = False, tree_attention: str = "fast") -> Target:
     """Load a causal LM (safetensors weights only) and its tokenizer.
 
     dtype: 'auto' (bfloat16 where the device runs it natively, else float32; see
-    ``resolve_dtype``), 'float32', 'bfloat16' or 'float16'."""
+    ``resolve_dtype``), 'float32', 'bfloat16' or 'float16'; tree_attention: 'fast' or
+    'bitwise' (``Target.tree_attention``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if tree_attention not in fastpath.TREE_ATTENTION:
+        raise SpecdraftError(f"tree attention must be one of {', '.join(fastpath.TREE_ATTENTION)}, got {tree_attention!r}")
     path = resolve_target(spec)
     dev = parse_device(device)
     dt = parse_dtype(resolve_dtype(dtype, dev))
@@ -409,7 +415,9 @@ def load_target(spec: str = "default", device: str = "cpu", dtype: str = "auto",
     model.to(dev).eval()
     model.requires_grad_(False)
     name = DEFAULT_TARGET if spec in ("default", DEFAULT_TARGET) else spec
-    return Target(model=model, tokenizer=tokenizer, name=name)
+    target = Target(model=model, tokenizer=tokenizer, name=name)
+    target.tree_attention = tree_attention
+    return target
 
 
 def parameter_count(model: torch.nn.Module) -> int:

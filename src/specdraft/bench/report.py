@@ -82,7 +82,8 @@ def header_lines(results: dict) -> list[str]:
         f"- target: **{env.get('target')}** ({params(env.get('target_params'))} parameters), "
         f"{env.get('dtype')}{' (our methods: target compiled)' if env.get('compiled_target') else ''} on {env.get('device_name')} ({env.get('device')}, {env.get('threads')} threads)",
         f"- torch {env.get('torch')}, transformers {env.get('transformers')}, specdraft {env.get('specdraft')}"
-        + (f"; linears: {env['linear_layout']}, {env.get('stacked_groups', 0)} stacked groups" if "linear_layout" in env else ""),
+        + (f"; linears: {env['linear_layout']}, {env.get('stacked_groups', 0)} stacked groups" if "linear_layout" in env else "")
+        + (f"; tree attention: {env['tree_attention']}" if "tree_attention" in env else ""),
         f"- {s.get('max_new_tokens')} new tokens {'every row (EOS ignored)' if s.get('ignore_eos') else 'max'}, "
         f"{s.get('repeats')} repeat(s), top-p {s.get('top_p')}, "
         f"top-k {s.get('top_k')}, seed {s.get('seed')}, chat template {'on' if s.get('chat') else 'off'}",

@@ -69,6 +69,7 @@ class BenchConfig:
     interleave: bool = False  # every method loaded at once, their batches in turn (see Bench.run_interleaved)
     lockstep: bool = False  # interleave, and our methods' batches advance a decode step each in turn
     compile_target: bool = False  # our methods run the target's decoder stack compiled (peers: eager)
+    tree_attention: str = "fast"  # Target.tree_attention of our methods' target
     # Every row writes max_new_tokens (an EOS does not end it): throughput at a fixed length,
     # so that methods whose text differs (bfloat16 near-ties) still do the same amount of work.
     ignore_eos: bool = False
@@ -86,6 +87,8 @@ class BenchConfig:
         for flag in ("compile_target", "ignore_eos"):  # only when set: earlier results.json still resume
             if getattr(self, flag):
                 s[flag] = True
+        if self.tree_attention != "fast":  # likewise
+            s["tree_attention"] = self.tree_attention
         s["dtype"] = self.resolved_dtype()
         return json.loads(json.dumps(s))
 
@@ -132,7 +135,8 @@ def environment(target, cfg: BenchConfig) -> dict:
             "dtype": str(target.dtype).removeprefix("torch."), "compiled_target": bool(getattr(target, "compiled", False)),
             "target": target.name, "target_params": parameter_count(target.model),
             # the few-row kernels this process chose (a start-up timing decides) and what they stack
-            "linear_layout": fastpath.layout_name(target.dtype), "stacked_groups": siblings.stacked_groups(target.model)}
+            "linear_layout": fastpath.layout_name(target.dtype), "stacked_groups": siblings.stacked_groups(target.model),
+            "tree_attention": getattr(target, "tree_attention", "fast")}
 
 
 def cpu_name() -> str:
@@ -156,7 +160,8 @@ class Bench:
         self.cfg = cfg
         if target is None:
             with quiet_loading():
-                target = load_target(cfg.target, cfg.device, cfg.resolved_dtype(), cfg.trust_remote_code)
+                target = load_target(cfg.target, cfg.device, cfg.resolved_dtype(), cfg.trust_remote_code,
+                                     cfg.tree_attention)
         target.check_new_tokens(cfg.max_new_tokens)
         if cfg.compile_target and not target.compiled:
             from ..build import compile_target

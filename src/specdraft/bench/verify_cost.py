@@ -110,7 +110,8 @@ def run_verify_cost(cfg, tokens: list[int], prefix: int, trials: int, random_spe
     if target is None:
         with quiet_loading():
             target = (random_target(random_spec, cfg.device, cfg.resolved_dtype()) if random_spec else
-                      load_target(cfg.target, cfg.device, cfg.resolved_dtype(), cfg.trust_remote_code))
+                      load_target(cfg.target, cfg.device, cfg.resolved_dtype(), cfg.trust_remote_code,
+                                  getattr(cfg, "tree_attention", "fast")))
     if getattr(cfg, "compile_target", False) and not target.compiled:
         from ..build import compile_target
 

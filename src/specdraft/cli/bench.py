@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from ..errors import SpecdraftError
-from .options import add_compile_target_arg, resolve_dtype_arg
+from .options import add_compile_target_arg, add_tree_attention_arg, resolve_dtype_arg
 
 # ---- option parsing helpers ---------------------------------------------------------------
 
@@ -52,6 +52,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "transformers' peers included, runs at this dtype (default: %(default)s)")
     g.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code to run")
     add_compile_target_arg(g)
+    add_tree_attention_arg(g)
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -101,7 +102,7 @@ def base_config(args: argparse.Namespace, **extra):
         repeats=args.repeats, max_new_tokens=args.max_new_tokens, seed=args.seed, chat=args.chat,
         resume=args.resume, warmup=args.warmup, progress=args.progress, command=args.command_line,
         interleave=args.interleave, lockstep=args.lockstep,
-        compile_target=args.compile_target, ignore_eos=getattr(args, "ignore_eos", False), **extra)
+        compile_target=args.compile_target, tree_attention=args.tree_attention, ignore_eos=getattr(args, "ignore_eos", False), **extra)
 
 
 def check_device(args: argparse.Namespace) -> None:

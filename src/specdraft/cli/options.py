@@ -71,6 +71,15 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
                         "head's blocks and output layer; default: on; exact either way: only the drafter's weights "
                         "change): cheaper drafting, e.g. the shipped head's step 7.1 -> 2.7 ms")
     add_compile_target_arg(g)
+    add_tree_attention_arg(g)
+
+
+def add_tree_attention_arg(group) -> None:
+    group.add_argument("--tree-attention", choices=("fast", "bitwise"), default="fast",
+                       help="fast: a verify step's tree attends in one call; bitwise: in bfloat16/float16, in groups "
+                            "of 3 query rows whose attention is bitwise one-token decoding's, so more greedy outputs "
+                            "equal generate()'s token for token (verify steps ~10-25%% dearer; the rest part at "
+                            "numerical near-ties either way: specdraft parity); no effect in float32 (default: %(default)s)")
 
 
 def add_compile_target_arg(group) -> None:
@@ -147,6 +156,7 @@ def engine_spec(args: argparse.Namespace) -> build.EngineSpec:
                             adaptive=getattr(args, "adaptive", "off"),
                             compile_drafter=getattr(args, "compile_drafter", False),
                             compile_target=getattr(args, "compile_target", False),
+                            tree_attention=getattr(args, "tree_attention", "fast"),
                             int8_drafter=getattr(args, "int8_drafter", None) is not False)
 
 
