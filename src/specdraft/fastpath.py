@@ -277,12 +277,13 @@ def chunked_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     groups of ``QUERY_CHUNK[dtype]`` rows. Returns ((B, q, H, D), None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    rows, q = QUERY_CHUNK.get(query.dtype) if _bitwise else None, query.shape[2]
+    q = query.shape[2]
     # Compiled (Target.compile), chunks would not be bitwise one-token decoding anyway (inductor's
     # kernels differ per shape) and would make every tree size its own graph.
     # (Tested first: a size test before it would become a guard, one graph per side of it.)
     if (torch.compiler.is_compiling() or _depth == 0 or key.shape[2] <= q or query.device.type != "cpu"):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    rows = QUERY_CHUNK.get(query.dtype) if _bitwise else None  # read after the compile test: no guard on it
     if rows is None or q <= rows:
         return masked_gqa_sdpa(module, query, key, value, attention_mask, **kwargs)
     outs = []

@@ -1,10 +1,14 @@
+"""bf16 SDPA probes: chunks of 3 query rows, the chunks folded into the batch, one call; bitwise checks
+against the one-token (pack_gqa) reference and timings. Run: .venv/bin/python fold.py"""
 import torch, time, statistics
 import torch.nn.functional as F
 torch.manual_seed(0)
 def chunked(q, k, v, m, r=3):
     return torch.cat([F.scaled_dot_product_attention(q[:, :, s:s+r], k, v, attn_mask=m[:, :, s:s+r], enable_gqa=True)
                       for s in range(0, q.shape[2], r)], dim=2)
-def folded(q, k, v, m, r=3):
+def folded(q, k, v, m, r=3, expand=False):
+    """The chunks of r query rows as batch entries of one SDPA call; keys and values per entry
+    by repeat_interleave, or (expand) by a reshaped expand."""
     B, H, n, D = q.shape
     c = -(-n // r); pad = c * r - n
     if pad:
@@ -12,22 +16,14 @@ def folded(q, k, v, m, r=3):
         m = torch.cat([m, m[:, :, :1].expand(B, m.shape[1], pad, m.shape[3])], 2)
     qf = q.reshape(B, H, c, r, D).transpose(1, 2).reshape(B * c, H, r, D)
     mf = m.reshape(B, m.shape[1], c, r, m.shape[3]).transpose(1, 2).reshape(B * c, m.shape[1], r, m.shape[3])
-    kf = k[:, None].expand(B, c, *k.shape[1:]).reshape(B * c, *k.shape[1:]) if False else k.repeat_interleave(c, 0)
-    vf = v.repeat_interleave(c, 0)
+    if expand:
+        kf = k[:, None].expand(B, c, *k.shape[1:]).reshape(B * c, *k.shape[1:])
+        vf = v[:, None].expand(B, c, *v.shape[1:]).reshape(B * c, *v.shape[1:])
+    else:
+        kf, vf = k.repeat_interleave(c, 0), v.repeat_interleave(c, 0)
     o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mf, enable_gqa=True)
     return o.reshape(B, c, H, r, D).transpose(1, 2).reshape(B, H, c * r, D)[:, :, :n]
-def folded_exp(q, k, v, m, r=3):
-    B, H, n, D = q.shape
-    c = -(-n // r); pad = c * r - n
-    if pad:
-        q = torch.cat([q, q.new_zeros(B, H, pad, D)], 2)
-        m = torch.cat([m, m[:, :, :1].expand(B, m.shape[1], pad, m.shape[3])], 2)
-    qf = q.reshape(B, H, c, r, D).transpose(1, 2).reshape(B * c, H, r, D)
-    mf = m.reshape(B, m.shape[1], c, r, m.shape[3]).transpose(1, 2).reshape(B * c, m.shape[1], r, m.shape[3])
-    kf = k[:, None].expand(B, c, *k.shape[1:]).reshape(B * c, *k.shape[1:])  # copies if not viewable
-    vf = v[:, None].expand(B, c, *v.shape[1:]).reshape(B * c, *v.shape[1:])
-    o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mf, enable_gqa=True)
-    return o.reshape(B, c, H, r, D).transpose(1, 2).reshape(B, H, c * r, D)[:, :, :n]
+folded_exp = lambda *a: folded(*a, expand=True)
 for B in (1, 4):
   for n in (4, 8, 16):
     S = 300
