@@ -281,10 +281,12 @@ def test_load_errors(tiny):
 
 
 @pytest.mark.parametrize("make", [lambda: LookupDrafter(beam_width=0), lambda: LookupDrafter(beam_length=0),
-                                  lambda: LookupDrafter(beam_length=True)], ids=["width", "length", "bool"])
+                                  lambda: LookupDrafter(beam_length=True), lambda: LookupDrafter(beam_width=10 ** 30)],
+                         ids=["width", "length", "bool", "huge"])
 def test_lookup_shapes_fail_with_the_shared_one_line_error(make):
-    # Every drafter runs the one check_shapes: lookup once raised a bare ValueError (a traceback).
-    with pytest.raises(SpecdraftError, match="must be an integer >= 1"):
+    # Every drafter runs the one check_shapes: lookup once raised a bare ValueError (a traceback),
+    # and a width beyond 2**63 an overflow inside torch (found by the CLI argument fuzzer).
+    with pytest.raises(SpecdraftError, match="must be an integer from 1 to"):
         make()
 
 

@@ -156,10 +156,16 @@ def single_beam(g0: torch.Tensor) -> Proposal:
     return Proposal(beams=beams, valid=torch.ones_like(beams, dtype=torch.bool))
 
 
+# The largest beam width, beam length or gamma accepted: far beyond any tree one forward can
+# verify, so a larger value is a typo, and one beyond 2**63 failed deep inside torch.
+MAX_SHAPE = 1024
+
+
 def check_shapes(beam_width: int | None = None, beam_length: int | None = None, gamma: int | None = None) -> None:
-    """Drafting shapes must be integers >= 1 where given: the one check of every drafter,
-    also run by the command line before any model loads."""
+    """Drafting shapes must be integers from 1 to MAX_SHAPE where given: the one check of
+    every drafter, also run by the command line before any model loads."""
     for name, value in (("beam width", beam_width), ("beam length", beam_length), ("gamma", gamma)):
         # bool is an int subclass: True would pass as a width of 1.
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise SpecdraftError(f"{name} must be an integer >= 1, got {value!r}")
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or not 1 <= value <= MAX_SHAPE):
+            raise SpecdraftError(f"{name} must be an integer from 1 to {MAX_SHAPE}, got {value!r}")
