@@ -75,7 +75,9 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_tree_attention_arg(group) -> None:
-    group.add_argument("--tree-attention", choices=("fast", "bitwise"), default="fast",
+    from ..fastpath import TREE_ATTENTION
+
+    group.add_argument("--tree-attention", choices=TREE_ATTENTION, default="fast",
                        help="fast: a verify step's tree attends in one call; bitwise: in bfloat16/float16, in groups "
                             "of 3 query rows whose attention is bitwise one-token decoding's, so more greedy outputs "
                             "equal generate()'s token for token (verify steps ~10-25%% dearer; the rest part at "
