@@ -203,16 +203,16 @@ class AdaptivePolicy:
         tree = max(self.step_ratio(True, rows), self.step_ratio(False, rows))
 
         def step(n: int) -> float:
-            draft = drafted if drafted is not None else timer(draft_depth or (n and min(n + extra, self.reach)))
+            draft = drafted if drafted is not None else timer(draft_depth or (n and self.call_depth(n, extra)))
             # a tree step is never cheaper than a plain one (the ratios are estimates)
             verify = max(self.cost(rows * (1 + n), width, rows) * tree, plain) if n else plain
             return offered * verify + (1 - offered) * plain + draft
         return step
 
-    def call_depth(self, n: int) -> int:
-        """How deep the drafter call of a step planned at ``n`` drafts: n + slack, at most
-        the reach ``plan`` saw (timed under that depth: ``DraftTimer``)."""
-        return min(n + self.extra, self.reach)
+    def call_depth(self, n: int, extra: int | None = None) -> int:
+        """How deep the drafter call of a step planned at ``n`` drafts: n + slack (``extra``,
+        default the plan's), at most the reach ``plan`` saw (timed under that depth: ``DraftTimer``)."""
+        return min(n + (self.extra if extra is None else extra), self.reach)
 
     def slack(self, rows: int, plain: float) -> int:
         """Depth to draft beyond the plan (SLACK or 0), a plain step taking ``plain`` seconds: a
