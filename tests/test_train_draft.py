@@ -358,7 +358,9 @@ def test_two_process_launch_with_accelerate(tiny_target_path, tiny_target, disti
            "train", "draft", "--stage", "finetune", "--target", str(tiny_target_path), "--data", str(distilled),
            "--out", str(out), "--device", "cpu", "--batch-size", "2", "--epochs", "2", "--save-every", "3",
            "--heldout-fraction", "0.25", "--no-progress", *SMALL]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # PYTHONFAULTHANDLER: a rank that aborts (a gloo teardown race was seen once in ~10 suite
+    # runs) prints every thread's Python stack into the failure message.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = entries(out / "log.jsonl")

@@ -333,7 +333,9 @@ def test_two_process_launch_with_accelerate(tiny_target_path, tiny_target, data,
            "train", "redrafter", "--target", str(tiny_target_path), "--data", str(data), "--out", str(out),
            "--device", "cpu", "--seq-len", "48", "--batch-size", "2", "--epochs", "2", "--save-every", "3",
            "--no-progress", "--hidden-cache", str(tmp_path / "cache")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # PYTHONFAULTHANDLER: a rank that aborts (a gloo teardown race was seen once in ~10 suite
+    # runs) prints every thread's Python stack into the failure message.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = log_entries(out)
