@@ -5,7 +5,7 @@ batches of MT-Bench first turns, the two dtypes taking turns (every second round
 order), so a VM whose speed drifts between runs affects both alike. ``ignore_eos`` makes
 every row write exactly ``--max-new-tokens`` tokens in both dtypes: their texts differ (a
 different dtype is a different computation), and tokens/s must not depend on where each
-text happens to stop. Prints tokens/s per round and the median per-round bf16 / f32 ratio.
+text happens to stop. Prints each round as it ends, then tokens/s per round and the median per-round bf16 / f32 ratio.
 
     OMP_NUM_THREADS=2 .venv/bin/python scripts/dtype_speed.py --batch-size 16 --rounds 3
 """
@@ -48,6 +48,9 @@ def main() -> None:
         batch = prompts[r * args.batch_size: (r + 1) * args.batch_size]
         for dt in DTYPES if r % 2 == 0 else DTYPES[::-1]:
             rates[dt].append(tokens_per_second(engines[dt], batch, params))
+        # One line per round as it ends: a long run shows where it stands and keeps what it measured.
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{dt} {rates[dt][-1]:.1f}" for dt in DTYPES)
+              + f" tokens/s, bf16 / f32 {rates['bfloat16'][-1] / rates['float32'][-1]:.3f}", flush=True)
     for dt, values in rates.items():
         print(f"batch {args.batch_size} {dt}: tokens/s per round {[round(v, 1) for v in values]}")
     ratios = [b / f for b, f in zip(rates["bfloat16"], rates["float32"])]
