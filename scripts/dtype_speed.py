@@ -5,7 +5,8 @@ batches of MT-Bench first turns, the two dtypes taking turns (every second round
 order), so a VM whose speed drifts between runs affects both alike. ``ignore_eos`` makes
 every row write exactly ``--max-new-tokens`` tokens in both dtypes: their texts differ (a
 different dtype is a different computation), and tokens/s must not depend on where each
-text happens to stop. Prints each round as it ends, then tokens/s per round and the median per-round bf16 / f32 ratio.
+text happens to stop. Prints each round as it ends, then tokens/s per round and the median
+per-round bf16 / f32 ratio.
 
     OMP_NUM_THREADS=2 .venv/bin/python scripts/dtype_speed.py --batch-size 16 --rounds 3
 """
