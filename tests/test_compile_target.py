@@ -39,27 +39,40 @@ def test_compiled_target_decodes_as_eager_and_warm_up_covers_its_shapes(tmp_path
 
 def test_inductor_freezes_the_target_on_cpu_and_decodes_as_eager(tmp_path, monkeypatch):
     """With inductor on CPU the stack is compiled frozen (weights as constants, so each linear
-    weight is reordered once, not per call): greedy decoding through the engine, caches
-    written by the compiled graph step after step, gives eager's tokens (float32, where the
-    tiny model's logits are far from ties)."""
+    weight is packed once, not per call) with inductor's GEMM autotuning on: inductor's own
+    config says so while it compiles (``torch.compile(options=...)`` did not: the weights
+    stayed graph inputs). Greedy decoding through the engine, caches written by the compiled
+    graph step after step, gives eager's tokens (float32, where the tiny model's logits are
+    far from ties)."""
+    import torch._inductor.compile_fx as compile_fx_module
+    import torch._inductor.config as inductor_config
+
     path = make_tiny_llama(tmp_path / "t", vocab_size=16, seed=0, initializer_range=0.4, num_hidden_layers=1)
     eager, compiled = load_target(str(path)), load_target(str(path))
     seen = []
-    real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda *a, **kw: seen.append(kw) or real_compile(*a, **kw))
+    real = compile_fx_module.compile_fx
+
+    def recording(*args, **kwargs):
+        seen.append((inductor_config.freezing, inductor_config.max_autotune))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", recording)
     compiled.compile()
-    assert seen == [{"dynamic": True, "backend": "inductor", "options": {"freezing": True}}]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     prompt = [[1, 2, 3, 4, 5, 6]]
     ours = SpeculativeEngine(compiled, NoDrafter()).generate(prompt, params)
     plain = SpeculativeEngine(eager, NoDrafter()).generate(prompt, params)
+    assert seen and all(flags == (True, True) for flags in seen)  # every graph compiled frozen
+    assert not inductor_config.freezing  # only around the target's calls, not process-wide
     assert ours[0].token_ids == plain[0].token_ids
 
 
 def test_a_feature_layer_head_runs_the_compiled_target_without_recompiles(tmp_path):
     """A ReDrafter head that reads the target's inner layers (forward hooks on the compiled
     stack's layers, set for each forward) keeps the warmed graphs: no recompile after
-    ``warm_up``, and eager plain decoding's tokens."""
+    ``warm_up``, and eager plain decoding's tokens. As in ``specdraft bench`` (one engine per
+    method on one target), a plain engine is warmed first: the head's warm-up must still
+    compile its own shape classes rather than leave them to run eager."""
     from specdraft.drafters.redrafter import ReDrafter
     from specdraft.heads import ReDrafterHead
 
@@ -70,6 +83,8 @@ def test_a_feature_layer_head_runs_the_compiled_target_without_recompiles(tmp_pa
     with torch.no_grad():
         head.fuse.weight.normal_(0, 0.3)  # the fusion is not the identity: the features matter
     compile_target(compiled, backend="eager")
+    compiled.warmed()  # as bench does once the target is compiled
+    warm_up(SpeculativeEngine(compiled, NoDrafter()))  # an earlier method's warm-up
     engine = SpeculativeEngine(compiled, ReDrafter(head.eval().requires_grad_(False), beam_width=2, beam_length=3),
                                max_tree_tokens=None)
     warm_up(engine)

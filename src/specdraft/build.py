@@ -78,10 +78,15 @@ def warm_up(engine) -> None:
     shapes serving meets (a prompt, then steps feeding one and several tokens; torch.compile
     specialises sizes 0 and 1) before the first request; after it a shape not seen yet runs
     eager (``Drafter.warmed``). The policy is detached meanwhile: compiling takes seconds
-    per shape, which must not reach its estimates of drafting cost."""
+    per shape, which must not reach its estimates of drafting cost. A compiled target
+    compiles again while warming, even if an earlier engine's warm-up ended: a second drafter
+    on the same target (``specdraft bench``: one engine per method) may feed it new shape
+    classes (a tree, the inner layers a head reads), which would otherwise run eager."""
     from .sampling import SamplingParams
 
     target, tok = engine.target, engine.target.tokenizer
+    if target.compiled:
+        target.stance = "default"
     chat = getattr(tok, "chat_template", None) is not None
     prompt = target.encode_prompt(WARM_UP_PROMPT, chat=chat) if tok is not None else list(range(1, 33))
     room = target.max_context // 2  # a tiny test model's context may be short

@@ -222,6 +222,7 @@ class Target:
         self.eos_ids = self._eos_ids()
         self.compiled = False  # the decoder stack runs through torch.compile (``compile``)
         self.stance = "default"  # torch.compiler stance of compiled forwards (``warmed``)
+        self.inductor_options: dict = {}  # inductor config around compiled forwards (``compile``)
         # fastpath.TREE_ATTENTION: "fast" (one SDPA call per tree) or "bitwise" (in reduced
         # precision, tree queries in groups whose outputs are bitwise one-token decoding's)
         self.tree_attention = "fast"
@@ -285,7 +286,8 @@ class Target:
         layout for every caller: a change of either is a guard failure, every graph again."""
         for name in ("input_ids", "position_ids"):
             inputs[name] = inputs[name].contiguous()  # an expand()ed input has stride 0
-        with fastpath.active(), torch.compiler.set_stance(self.stance), torch.no_grad():
+        with fastpath.active(), torch.compiler.set_stance(self.stance), torch.no_grad(), \
+                torch._inductor.config.patch(self.inductor_options):
             return self.states(layers, **inputs)
 
     def states(self, layers: tuple[int, ...] = (), **inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -321,9 +323,17 @@ class Target:
         # each linear weight once into oneDNN's blocked layout (without it every call reorders;
         # SmolLM2 in bf16 on the AMX Xeon, 1-8 tokens: 49-54 ms compiled, 41-47 ms frozen).
         # Safe here: the target's weights never change after loading, and the compiled forward
-        # runs under no_grad.
-        options = {"freezing": True} if backend == "inductor" and self.device.type == "cpu" else None
-        self.base = torch.compile(self.base, dynamic=True, backend=backend, options=options)
+        # runs under no_grad. Set as inductor's config around each call, where the lazy compile
+        # happens: torch.compile(options={"freezing": True}) leaves the weights graph inputs
+        # (torch 2.13: every linear an unpacked ``mm``, slower than eager).
+        if backend == "inductor" and self.device.type == "cpu":
+            import torch._inductor.config as _inductor_config  # noqa: F401  (``_compiled_states`` patches it)
+            # max_autotune lets inductor time its own C++ GEMM template against oneDNN's
+            # product per shape: on the AVX512-BF16 EPYC its few-row bf16 kernel streams the
+            # weights ~1.6x faster (docs/engine.md, "Compiling the target").
+            self.inductor_options = {"freezing": True, "max_autotune": True,
+                                     "max_autotune_gemm_backends": "CPP,ATEN"}
+        self.base = torch.compile(self.base, dynamic=True, backend=backend)
         self.compiled, self.stance = True, "default"
 
     def warmed(self) -> None:

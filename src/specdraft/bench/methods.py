@@ -74,8 +74,11 @@ class EngineMethod(Method):
         if int8:
             drafter.quantize()
         self.engine = SpeculativeEngine(target, drafter, policy=policy)
-        if compiled and drafter.compile():
-            warm_up(self.engine)  # before any timed prompt: compiling is a start-up cost
+        if (compiled and drafter.compile()) or target.compiled:
+            # Before any timed prompt: compiling is a start-up cost. A compiled target is warmed
+            # with each method's own drafter (its trees, the layers a head reads), else those
+            # shapes would run eager and slow.
+            warm_up(self.engine)
         self.depths, self.off_steps = Counter(), 0  # over the calls since reset_drafting()
         n_draft = getattr(drafter, "num_parameters", None)
         info = {"beam_width": getattr(drafter, "W", None), "beam_length": getattr(drafter, "L", None),
