@@ -84,7 +84,8 @@ def test_a_feature_layer_head_runs_the_compiled_target_without_recompiles(tmp_pa
         head.fuse.weight.normal_(0, 0.3)  # the fusion is not the identity: the features matter
     compile_target(compiled, backend="eager")
     compiled.warmed()  # as bench does once the target is compiled
-    warm_up(SpeculativeEngine(compiled, NoDrafter()))  # an earlier method's warm-up
+    plain_engine = SpeculativeEngine(compiled, NoDrafter())
+    warm_up(plain_engine)  # an earlier method's warm-up
     engine = SpeculativeEngine(compiled, ReDrafter(head.eval().requires_grad_(False), beam_width=2, beam_length=3),
                                max_tree_tokens=None)
     warm_up(engine)
@@ -95,3 +96,5 @@ def test_a_feature_layer_head_runs_the_compiled_target_without_recompiles(tmp_pa
         ours = engine.generate(rows, params)
         plain = SpeculativeEngine(eager, NoDrafter()).generate(rows, params)
         assert [r.token_ids for r in ours] == [r.token_ids for r in plain]
+        again = plain_engine.generate(rows, params)  # the earlier method, after the head's reads
+        assert [r.token_ids for r in again] == [r.token_ids for r in plain]

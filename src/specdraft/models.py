@@ -192,6 +192,21 @@ def parse_device(name: str) -> torch.device:
         raise SpecdraftError(f"unknown device {name!r}") from None
 
 
+def install_capture_hooks(base: torch.nn.Module) -> None:
+    """Install transformers' output-capture hooks on ``base`` (a decoder stack) now, as its
+    first call with ``output_hidden_states`` would. Before ``torch.compile``: dynamo guards on
+    the hooks, so graphs traced before a head's first inner-layer read would fail their guards
+    after it (and, once warmed, run eager). Stacks without output capture are left alone."""
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # a transformers without hook-based capture: nothing to install
+        return
+    try:
+        maybe_install_capturing_hooks(base)
+    except (KeyError, TypeError, AttributeError):  # a model class that records no outputs
+        pass
+
+
 @dataclass
 class Target:
     """A loaded target model with what the engine needs to know about it."""
@@ -333,6 +348,7 @@ class Target:
             # weights ~1.6x faster (docs/engine.md, "Compiling the target").
             self.inductor_options = {"freezing": True, "max_autotune": True,
                                      "max_autotune_gemm_backends": "CPP,ATEN"}
+        install_capture_hooks(self.base)
         self.base = torch.compile(self.base, dynamic=True, backend=backend)
         self.compiled, self.stance = True, "default"
 
