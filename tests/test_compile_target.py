@@ -98,3 +98,26 @@ def test_a_feature_layer_head_runs_the_compiled_target_without_recompiles(tmp_pa
         assert [r.token_ids for r in ours] == [r.token_ids for r in plain]
         again = plain_engine.generate(rows, params)  # the earlier method, after the head's reads
         assert [r.token_ids for r in again] == [r.token_ids for r in plain]
+
+
+def test_packed_gqa_attention_equals_repeated_heads():
+    """``fastpath.packed_gqa_sdpa`` (what the compiled target's attention runs: each kv head's
+    query heads packed as rows) gives transformers' SDPA over repeated keys, for one and for
+    several query rows, under a shared mask and a per-head one (float32, random masks)."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from specdraft.fastpath import packed_gqa_sdpa
+
+    torch.manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
+    for q, mask_heads in ((1, 1), (3, 1), (4, 9)):
+        query = torch.randn(2, 9, q, 16)
+        key, value = torch.randn(2, 3, 20, 16), torch.randn(2, 3, 20, 16)
+        mask = torch.rand(2, mask_heads, q, 20) > 0.3
+        mask[..., 0] = True  # every row attends somewhere
+        ours, _ = packed_gqa_sdpa(module, query, key, value, mask, scaling=0.25)
+        theirs, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+        assert ours.shape == theirs.shape == (2, q, 9, 16)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)

@@ -281,7 +281,9 @@ def chunked_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     # Compiled (Target.compile), chunks would not be bitwise one-token decoding anyway (inductor's
     # kernels differ per shape) and would make every tree size its own graph.
     # (Tested first: a size test before it would become a guard, one graph per side of it.)
-    if (torch.compiler.is_compiling() or _depth == 0 or key.shape[2] <= q or query.device.type != "cpu"):
+    if torch.compiler.is_compiling():
+        return packed_gqa_sdpa(module, query, key, value, attention_mask, **kwargs)
+    if _depth == 0 or key.shape[2] <= q or query.device.type != "cpu":
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     rows = QUERY_CHUNK.get(query.dtype) if _bitwise else None  # read after the compile test: no guard on it
     if rows is None or q <= rows:
@@ -316,6 +318,41 @@ def masked_gqa_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch
         query, key, value, attn_mask=attention_mask, dropout_p=kwargs.get("dropout", 0.0),
         scale=kwargs.get("scaling"), enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+def packed_gqa_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, **kwargs):
+    """SDPA with each key/value head's g query heads packed as g·q rows of one head, on CPU
+    under a mask; anything else: transformers' SDPA attention. Returns ((B, q, H, D), None).
+
+    Shapes: query (B, H, q, D) with H = Hk·g (query head k·g + j reads kv head k, as
+    ``repeat_kv``), key/value (B, Hk, S, D), mask (B, 1 or H, q, S) -> query (B, Hk, g·q, D),
+    rows ordered (j, t), mask (B, 1 or Hk, g·q, S). E.g. SmolLM2 (9 heads, 3 kv heads), one
+    token: 3 heads of 3 rows instead of 9 heads of 1 row over 3× copied keys.
+
+    What the compiled target runs (``Target.compile``; transformers packs only one-token
+    steps, and only eager). Why: CPU's flash kernel in bfloat16 is slow for a single query row
+    (SmolLM2's shapes, 256 cached keys: 150 µs for 9 heads of 1 row, 65 µs of 2 rows, 60 µs
+    packed), which made a compiled one-token step dearer than a two-token one (18.7 against
+    15.1 ms), and the packed keys need no ``repeat_kv`` copy."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if (attention_mask is None or groups < 2 or query.device.type != "cpu"
+            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+            or kwargs.get("cache") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    B, H, q, D = query.shape
+    kv_heads = key.shape[1]
+    packed = query.reshape(B, kv_heads, groups * q, D)
+    mask = attention_mask
+    if mask.shape[1] == 1:
+        mask = mask.expand(B, 1, q, mask.shape[-1]).repeat(1, 1, groups, 1)  # row (j, t) = mask row t
+    else:  # one mask per query head: its rows follow the query's
+        mask = mask.expand(B, H, q, mask.shape[-1]).reshape(B, kv_heads, groups * q, mask.shape[-1])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        packed, key, value, attn_mask=mask, dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"))
+    return out.reshape(B, H, q, D).transpose(1, 2).contiguous(), None
 
 
 def register_attention() -> str:
