@@ -1,0 +1,62 @@
+"""What one layer's attention costs on this CPU for SmolLM2's shapes (9 query heads, 3 kv heads,
+head dim 64) at a few query rows and cached lengths: SDPA over keys repeated per query head
+(what transformers does under torch.compile, so what a compiled target ran before), SDPA with ``enable_gqa`` (the eager engine's tree
+path) and ``fastpath.packed_gqa_sdpa`` (what a compiled target runs now). Medians of 300 calls.
+
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/gqa_attention_probe.py --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from specdraft.fastpath import packed_gqa_sdpa
+from specdraft.models import parse_dtype
+
+
+def median_us(call, calls: int = 300) -> float:
+    for _ in range(20):  # first calls pay for allocation
+        call()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--cached", default="64,256,512")
+    p.add_argument("--rows", default="1,2,4")
+    args = p.parse_args()
+    dtype = parse_dtype(args.dtype)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
+    torch.manual_seed(0)
+    print("| cached | query rows | repeated keys µs | enable_gqa µs | packed µs | packed max |Δ| |")
+    print("|---|---|---|---|---|---|")
+    for cached in (int(c) for c in args.cached.split(",")):
+        for q in (int(r) for r in args.rows.split(",")):
+            query = torch.randn(1, 9, q, 64, dtype=dtype)
+            key, value = torch.randn(1, 3, cached + q, 64, dtype=dtype), torch.randn(1, 3, cached + q, 64, dtype=dtype)
+            mask = torch.ones(1, 1, q, cached + q, dtype=torch.bool).tril(cached)
+            repeated = median_us(lambda: F.scaled_dot_product_attention(
+                query, key.repeat_interleave(3, 1), value.repeat_interleave(3, 1), attn_mask=mask, scale=0.125))
+            gqa = median_us(lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.125,
+                                                                    enable_gqa=True))
+            packed = median_us(lambda: packed_gqa_sdpa(module, query, key, value, mask, scaling=0.125))
+            diff = (packed_gqa_sdpa(module, query, key, value, mask, scaling=0.125)[0].float()
+                    - sdpa_attention_forward(module, query, key, value, mask, scaling=0.125)[0].float()).abs().max()
+            print(f"| {cached} | {q} | {repeated:.0f} | {gqa:.0f} | {packed:.0f} | {diff.item():.3g} |")
+
+
+if __name__ == "__main__":
+    main()
