@@ -492,7 +492,17 @@ BATCH_FLAT = CostModel([1, 12, 16, 64], [1.0, 1.0, 1.6, 4.0])  # 3 rows x 4 toke
 
 
 @pytest.mark.parametrize("cost", [LINEAR, BATCH_FLAT], ids=["linear", "batch-flat"])
-def test_greedy_parity_with_policy(tiny_target, cost):
+def test_greedy_parity_with_policy(tiny_target, cost, monkeypatch):
+    """Greedy output with the policy on is plain decoding's, and the policy varies the depth.
+    The policy learns from measured step and drafter times: a steady fake clock (every reading
+    1 ms after the last) keeps its choices independent of how busy the machine is (under a
+    full suite beside another job, real timings once kept it at depths 0 and 1)."""
+    import itertools
+
+    import specdraft.engine as engine_module
+
+    ticks = itertools.count()
+    monkeypatch.setattr(engine_module.time, "perf_counter", lambda: 1e-3 * next(ticks))
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
     plain = SpeculativeEngine(tiny_target, NoDrafter()).generate(PROMPTS, params)
     oracle = {i: p + r.token_ids for i, (p, r) in enumerate(zip(PROMPTS, plain))}
