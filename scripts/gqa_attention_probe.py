@@ -9,8 +9,6 @@ path) and ``fastpath.packed_gqa_sdpa`` (what a compiled target runs now). Median
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from types import SimpleNamespace
 
 import torch
@@ -19,17 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from specdraft.fastpath import packed_gqa_sdpa
 from specdraft.models import parse_dtype
-
-
-def median_us(call, calls: int = 300) -> float:
-    for _ in range(20):  # first calls pay for allocation
-        call()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(times)
+from specdraft.timing import median_call_us
 
 
 def main() -> None:
@@ -48,11 +36,11 @@ def main() -> None:
             query = torch.randn(1, 9, q, 64, dtype=dtype)
             key, value = torch.randn(1, 3, cached + q, 64, dtype=dtype), torch.randn(1, 3, cached + q, 64, dtype=dtype)
             mask = torch.ones(1, 1, q, cached + q, dtype=torch.bool).tril(cached)
-            repeated = median_us(lambda: F.scaled_dot_product_attention(
-                query, key.repeat_interleave(3, 1), value.repeat_interleave(3, 1), attn_mask=mask, scale=0.125))
-            gqa = median_us(lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.125,
-                                                                    enable_gqa=True))
-            packed = median_us(lambda: packed_gqa_sdpa(module, query, key, value, mask, scaling=0.125))
+            repeated = median_call_us(lambda: F.scaled_dot_product_attention(
+                query, key.repeat_interleave(3, 1), value.repeat_interleave(3, 1), attn_mask=mask, scale=0.125), 300, 20)
+            gqa = median_call_us(lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.125,
+                                                                    enable_gqa=True), 300, 20)
+            packed = median_call_us(lambda: packed_gqa_sdpa(module, query, key, value, mask, scaling=0.125), 300, 20)
             diff = (packed_gqa_sdpa(module, query, key, value, mask, scaling=0.125)[0].float()
                     - sdpa_attention_forward(module, query, key, value, mask, scaling=0.125)[0].float()).abs().max()
             print(f"| {cached} | {q} | {repeated:.0f} | {gqa:.0f} | {packed:.0f} | {diff.item():.3g} |")

@@ -11,25 +11,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from specdraft.fastpath import pack_weight, packed_is_stock, packed_linear
+from specdraft.timing import median_call_us
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]  # q/o, k/v, gate/up, down, LM head
-
-
-def median_us(fn, calls: int) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
 
 
 def main() -> None:
@@ -47,9 +36,9 @@ def main() -> None:
             x32 = torch.randn(1, s[1])
             x16 = x32.bfloat16()
             calls = 20 if s[0] > 10000 else 100
-            found[s]["float32"].append(median_us(lambda: F.linear(x32, w32), calls))
-            found[s]["bf16 stock"].append(median_us(lambda: F.linear(x16, w16), calls))
-            found[s]["bf16 packed"].append(median_us(lambda: packed_linear(x16, packed), calls))
+            found[s]["float32"].append(median_call_us(lambda: F.linear(x32, w32), calls))
+            found[s]["bf16 stock"].append(median_call_us(lambda: F.linear(x16, w16), calls))
+            found[s]["bf16 packed"].append(median_call_us(lambda: packed_linear(x16, packed), calls))
     for s in SHAPES:
         cells = ", ".join(f"{k} {statistics.median(v):.1f} us" for k, v in found[s].items())
         print(f"{s[0]} x {s[1]}: {cells}; packed bitwise stock: {packed_is_stock(weights[s].bfloat16())}")

@@ -64,6 +64,19 @@ class OtherLoad:
         return min(max(others / (wall * after[1]), 0.0), 1.0)
 
 
+def median_call_us(call, calls: int, warmup: int = 5) -> float:
+    """Microseconds of ``call()``: the median of ``calls`` timed calls after ``warmup`` untimed
+    ones (first calls pay for allocation and kernel selection). For CPU kernels (no sync)."""
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work, so that wall-clock times cover it."""
     if device.type == "cuda":
