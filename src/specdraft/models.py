@@ -203,8 +203,8 @@ def install_capture_hooks(base: torch.nn.Module) -> None:
         return
     try:
         maybe_install_capturing_hooks(base)
-    except (KeyError, TypeError, AttributeError):  # a model class that records no outputs
-        pass
+    except (KeyError, TypeError, AttributeError):
+        return  # a model class that records no outputs: nothing to install
 
 
 @dataclass
