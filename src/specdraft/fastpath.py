@@ -295,6 +295,15 @@ def chunked_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return torch.cat(outs, dim=1), None
 
 
+def own_gqa_applies(module, query: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict) -> bool:
+    """Our masked grouped-query attention (``masked_gqa_sdpa``, ``packed_gqa_sdpa``) applies: a
+    mask, kv heads shared by several query heads, CPU, and none of transformers' extras
+    (position bias, softcap, a cache object) that only its own SDPA attention handles."""
+    return (attention_mask is not None and getattr(module, "num_key_value_groups", 1) >= 2
+            and query.device.type == "cpu"
+            and all(kwargs.get(name) is None for name in ("position_bias", "softcap", "cache")))
+
+
 def masked_gqa_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, **kwargs):
     """SDPA of q >= 2 query rows under a mask with grouped key/value heads passed as they are
@@ -309,10 +318,7 @@ def masked_gqa_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch
     0.97 -> 0.55 ms in bfloat16."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    groups = getattr(module, "num_key_value_groups", 1)
-    if (attention_mask is None or query.shape[2] < 2 or groups < 2 or query.device.type != "cpu"
-            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-            or kwargs.get("cache") is not None):
+    if query.shape[2] < 2 or not own_gqa_applies(module, query, attention_mask, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=kwargs.get("dropout", 0.0),
@@ -337,11 +343,9 @@ def packed_gqa_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch
     15.1 ms), and the packed keys need no ``repeat_kv`` copy."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    groups = getattr(module, "num_key_value_groups", 1)
-    if (attention_mask is None or groups < 2 or query.device.type != "cpu"
-            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-            or kwargs.get("cache") is not None):
+    if not own_gqa_applies(module, query, attention_mask, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    groups = module.num_key_value_groups
     B, H, q, D = query.shape
     kv_heads = key.shape[1]
     packed = query.reshape(B, kv_heads, groups * q, D)
