@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from conftest import make_tiny_llama
 
+from specdraft import graphs
 from specdraft.build import compile_target, warm_up
 from specdraft.drafters import NoDrafter
 from specdraft.drafters.lookup import LookupDrafter
@@ -39,7 +40,8 @@ def test_compiled_target_decodes_as_eager_and_warm_up_covers_its_shapes(tmp_path
 
 def test_inductor_freezes_the_target_on_cpu_and_decodes_as_eager(tmp_path, monkeypatch):
     """With inductor on CPU the stack is compiled frozen (weights as constants, so each linear
-    weight is packed once, not per call) with inductor's GEMM autotuning on: inductor's own
+    weight is packed once, not per call) with inductor's GEMM autotuning on (its own C++ GEMM
+    among the choices for graphs of few rows only): inductor's own
     config says so while it compiles (``torch.compile(options=...)`` did not: the weights
     stayed graph inputs). Greedy decoding through the engine, caches written by the compiled
     graph step after step, gives eager's tokens (float32, where the tiny model's logits are
@@ -49,12 +51,15 @@ def test_inductor_freezes_the_target_on_cpu_and_decodes_as_eager(tmp_path, monke
 
     path = make_tiny_llama(tmp_path / "t", vocab_size=16, seed=0, initializer_range=0.4, num_hidden_layers=1)
     eager, compiled = load_target(str(path)), load_target(str(path))
-    seen = []
+    seen, gemm = [], []
     real = compile_fx_module.compile_fx
 
-    def recording(*args, **kwargs):
+    def recording(gm, example_inputs, *args, **kwargs):
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        ids = example_inputs[next(i for i, name in enumerate(names) if "input_ids" in name)]
         seen.append((inductor_config.freezing, inductor_config.max_autotune))
-        return real(*args, **kwargs)
+        gemm.append((tuple(ids.shape), inductor_config.max_autotune_gemm_backends))
+        return real(gm, example_inputs, *args, **kwargs)
 
     monkeypatch.setattr(compile_fx_module, "compile_fx", recording)
     compiled.compile()
@@ -64,6 +69,11 @@ def test_inductor_freezes_the_target_on_cpu_and_decodes_as_eager(tmp_path, monke
     plain = SpeculativeEngine(eager, NoDrafter()).generate(prompt, params)
     assert seen and all(flags == (True, True) for flags in seen)  # every graph compiled frozen
     assert not inductor_config.freezing  # only around the target's calls, not process-wide
+    # inductor's C++ GEMM in the graphs of one row and of few rows only (graphs.FEW_ROWS): a
+    # dynamic graph keeps its first call's kernels for every size in its range, and that GEMM
+    # tuned at few rows scales badly
+    assert ((1, 1), "CPP,ATEN") in gemm and any(shape[1] > graphs.FEW_ROWS for shape, _ in gemm)
+    assert all(backends == ("CPP,ATEN" if b * n <= graphs.FEW_ROWS else "ATEN") for (b, n), backends in gemm), gemm
     assert ours[0].token_ids == plain[0].token_ids
 
 
@@ -121,3 +131,25 @@ def test_packed_gqa_attention_equals_repeated_heads():
         theirs, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
         assert ours.shape == theirs.shape == (2, q, 9, 16)
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+
+def test_compile_target_leaves_warm_up_nothing_to_compile_for_plain_and_lookup_decoding(tmp_path):
+    """``compile_target`` compiles every graph plain decoding and a lookup drafter's trees
+    run, whatever the engine's buffers look like: a one-row slice of a wider id buffer keeps
+    its row stride, which failed the guards and gave the trees a graph of their own, compiled
+    (and autotuned) at warm-up's first tree only."""
+    path = make_tiny_llama(tmp_path / "t", vocab_size=16, seed=0, num_hidden_layers=1)
+    target = load_target(str(path))
+    compiled_at = []
+
+    def recording(gm, example_inputs):
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        compiled_at.append(tuple(example_inputs[next(i for i, name in enumerate(names) if "input_ids" in name)].shape))
+        return gm.forward
+
+    compile_target(target, backend=recording)
+    assert (1, 1) in compiled_at and any(n > 1 for _, n in compiled_at)
+    compiled_at.clear()
+    warm_up(SpeculativeEngine(target, LookupDrafter(beam_width=2, beam_length=4), max_tree_tokens=None))
+    assert compiled_at == []

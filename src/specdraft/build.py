@@ -59,17 +59,18 @@ WARM_UP_TOKENS = 24
 
 
 def compile_target(target, backend: str = "inductor") -> None:
-    """``Target.compile``, then compile the shape classes the engine feeds before anything is
-    timed or served: one and two rows, a prefill into an empty cache, then 1, 2 and 5 tokens
-    after a cached prefix (torch.compile specialises sizes 0 and 1; other sizes are dynamic).
-    Shapes met later still compile until ``warm_up`` ends with ``Target.warmed``."""
+    """``Target.compile``, then compile the size classes (``graphs``) the engine feeds before
+    anything is timed or served: a prefill into an empty cache, then after a cached prefix one
+    row of 1, 2 and 5 tokens (one, few, many), two rows of 1 and 2 (few; both dimensions above
+    one) and eight rows of one token (many). Shapes met later still compile until ``warm_up``
+    ends with ``Target.warmed``."""
     from .timing import prefill, time_forward
 
     target.compile(backend)
     prefix = min(16, target.max_context // 4)
-    for rows in (1, 2):
+    for rows, sizes in ((1, (1, 2, 5)), (2, (1, 2)), (8, (1,))):
         cache = prefill(target, prefix, 2 * prefix, rows=rows)
-        for n in (1, 2, 5):
+        for n in sizes:
             time_forward(target, cache, min(n, prefix), prefix, trials=0, warmup=1)
 
 

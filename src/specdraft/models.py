@@ -21,7 +21,7 @@ from typing import Iterator
 
 import torch
 
-from . import fastpath, siblings
+from . import fastpath, graphs, siblings
 from .errors import SpecdraftError, first_line
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
@@ -297,12 +297,19 @@ class Target:
             return self.states(layers, **inputs)
 
     def _compiled_states(self, layers: tuple[int, ...], inputs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``states`` through the compiled stack, under ``self.stance``. One grad mode and one
-        layout for every caller: a change of either is a guard failure, every graph again."""
+        """``states`` through the compiled stack, under ``self.stance``, in the graph of the call's
+        size class (``graphs``). One grad mode and one layout for every caller: a change of
+        either is a guard failure, every graph again."""
         for name in ("input_ids", "position_ids"):
-            inputs[name] = inputs[name].contiguous()  # an expand()ed input has stride 0
+            # Standard strides, always: an expand()ed input has stride 0, and a one-row slice of
+            # a wider buffer keeps its row stride (contiguous() leaves it: size-1 dims) — either
+            # fails the guards, so the engine's trees got a graph of their own, tuned for them.
+            inputs[name] = inputs[name].clone(memory_format=torch.contiguous_format)
+        options, few = self.inductor_options, graphs.mark_size_class(inputs)
+        if options and not few:
+            options = {**options, "max_autotune_gemm_backends": "ATEN"}  # oneDNN scales, the C++ GEMM does not
         with fastpath.active(), torch.compiler.set_stance(self.stance), torch.no_grad(), \
-                torch._inductor.config.patch(self.inductor_options):
+                torch._inductor.config.patch(options):
             return self.states(layers, **inputs)
 
     def states(self, layers: tuple[int, ...] = (), **inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -345,7 +352,8 @@ class Target:
             import torch._inductor.config as _inductor_config  # noqa: F401  (``_compiled_states`` patches it)
             # max_autotune lets inductor time its own C++ GEMM template against oneDNN's
             # product per shape: on the AVX512-BF16 EPYC its few-row bf16 kernel streams the
-            # weights ~1.6x faster (docs/engine.md, "Compiling the target").
+            # weights ~2x faster (docs/engine.md, "Compiling the target"). Few-row graphs
+            # only: ``graphs``.
             self.inductor_options = {"freezing": True, "max_autotune": True,
                                      "max_autotune_gemm_backends": "CPP,ATEN"}
         install_capture_hooks(self.base)
