@@ -3,6 +3,7 @@ guarantees, and warming up leaves nothing to compile while serving."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import make_tiny_llama
 
@@ -153,3 +154,30 @@ def test_compile_target_leaves_warm_up_nothing_to_compile_for_plain_and_lookup_d
     compiled_at.clear()
     warm_up(SpeculativeEngine(target, LookupDrafter(beam_width=2, beam_length=4), max_tree_tokens=None))
     assert compiled_at == []
+
+
+def test_compiled_target_drops_module_guards_and_keeps_input_guards(tmp_path, monkeypatch):
+    """``Target.compile`` asks dynamo to drop its guards on the stack's modules (thousands of
+    checks every call; freezing already assumes the modules never change) and no more: an input
+    of another dtype still fails the guards (here: a recompile refused under
+    ``fail_on_recompile``), so inputs still choose their graph."""
+    from specdraft.timing import prefill, time_forward
+
+    options = []
+    real = torch.compile
+
+    def recording(model, **kwargs):
+        options.append(dict(kwargs.get("options") or {}))
+        return real(model, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", recording)
+    path = make_tiny_llama(tmp_path / "t", vocab_size=16, seed=0, num_hidden_layers=1)
+    target = load_target(str(path))
+    compile_target(target, backend="eager")
+    assert options == [{"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}]
+    target.stance = "fail_on_recompile"
+    cache = prefill(target, 8, 24)
+    time_forward(target, cache, 1, 8, trials=0, warmup=1)  # compiled already: runs
+    mask = cache.attention_mask(torch.ones(1, 1, 1, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="recompile"):
+        target.forward(torch.tensor([[3]], dtype=torch.int32), torch.tensor([[8]]), mask, cache)

@@ -357,7 +357,13 @@ class Target:
             self.inductor_options = {"freezing": True, "max_autotune": True,
                                      "max_autotune_gemm_backends": "CPP,ATEN"}
         install_capture_hooks(self.base)
-        self.base = torch.compile(self.base, dynamic=True, backend=backend)
+        # Dynamo's guards on the stack's own modules are dropped (thousands of checks a call:
+        # its cache lookup took 1.5 ms of a 13 ms compiled one-token step on the AVX512-BF16
+        # EPYC, 0.4 without them). Freezing already assumes what makes that safe: nothing
+        # changes those modules after this point (capture hooks installed above). Guards on
+        # the call's inputs (ids, positions, mask, cache) and on globals stay: they choose the graph.
+        self.base = torch.compile(self.base, dynamic=True, backend=backend,
+                                  options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self.compiled, self.stance = True, "default"
 
     def warmed(self) -> None:
