@@ -6,7 +6,7 @@ several row counts beside eager. Medians of 200 calls.
 
 A dynamic graph keeps the kernels tuned at its first call for every size after: with the C++
 GEMM among the choices and a hint of 2 it wins there and then scales badly, which is why
-``Target._inductor_options`` leaves it to one-token graphs.
+``specdraft.graphs`` leaves it to the graphs of one and of few rows.
 
     .venv/bin/python scripts/gemm_scaling.py --backends CPP,ATEN --hint 2
     .venv/bin/python scripts/gemm_scaling.py --backends ATEN --hint 2
@@ -19,6 +19,7 @@ import argparse
 import torch
 import torch._inductor.config as inductor_config
 
+from specdraft.graphs import CPU_INDUCTOR_OPTIONS
 from specdraft.models import parse_dtype
 from specdraft.timing import median_call_us
 
@@ -51,7 +52,7 @@ def main() -> None:
     torch.manual_seed(0)
     mlp = LayerLinears(576, 192, 1536, dtype).eval()
     compiled = torch.compile(mlp, dynamic=True)
-    options = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": args.backends}
+    options = {**CPU_INDUCTOR_OPTIONS, "max_autotune_gemm_backends": args.backends}
     with torch.no_grad(), inductor_config.patch(options):
         compiled(torch.randn(1, 1, 576, dtype=dtype))  # the static one-row graph
         compiled(torch.randn(1, args.hint, 576, dtype=dtype))  # the dynamic graph, tuned here

@@ -307,7 +307,7 @@ class Target:
             inputs[name] = inputs[name].clone(memory_format=torch.contiguous_format)
         options, few = self.inductor_options, graphs.mark_size_class(inputs)
         if options and not few:
-            options = {**options, "max_autotune_gemm_backends": "ATEN"}  # oneDNN scales, the C++ GEMM does not
+            options = {**options, **graphs.ATEN_GEMMS}  # oneDNN scales, the C++ GEMM does not
         with fastpath.active(), torch.compiler.set_stance(self.stance), torch.no_grad(), \
                 torch._inductor.config.patch(options):
             return self.states(layers, **inputs)
@@ -354,8 +354,7 @@ class Target:
             # product per shape: on the AVX512-BF16 EPYC its few-row bf16 kernel streams the
             # weights ~2x faster (docs/engine.md, "Compiling the target"). Few-row graphs
             # only: ``graphs``.
-            self.inductor_options = {"freezing": True, "max_autotune": True,
-                                     "max_autotune_gemm_backends": "CPP,ATEN"}
+            self.inductor_options = dict(graphs.CPU_INDUCTOR_OPTIONS)
         install_capture_hooks(self.base)
         # Dynamo's guards on the stack's own modules are dropped (thousands of checks a call:
         # its cache lookup took 1.5 ms of a 13 ms compiled one-token step on the AVX512-BF16
