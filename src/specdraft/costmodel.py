@@ -150,8 +150,9 @@ def cost_model_key(target) -> str:
     """What the curve depends on: model, dtype, device, CPU threads, torch version, the
     linear layout ``fastpath`` chose for the dtype (the packed bf16 one is ~1.2x faster), and
     how many sibling linears it stacks (``siblings``: ~8% off a bf16 one-token forward), and
-    whether the target runs compiled (``Target.compile``: up to ~2x faster forwards; "packed-gqa":
-    since its attention packs query heads, one-token forwards ~25% cheaper), and
+    whether the target runs compiled (``Target.compile``: up to ~2x faster forwards; "size-classes":
+    since each class of rows has its own graph and GEMMs, ``graphs``; 8 tree tokens 2.6x -> 2.2x
+    a one-token step), and
     whether its tree attention is chunked (``Target.tree_attention``: 8 tree tokens ~1.2x dearer)."""
     from . import fastpath, siblings
 
@@ -160,7 +161,7 @@ def cost_model_key(target) -> str:
     return (f"{target.name}|{target.dtype}|{target.device}|threads={torch.get_num_threads()}|"
             f"torch={torch.__version__}|linear={fastpath.layout_name(target.dtype)}|cost={FORMAT}"
             + (f"|stacked={stacked}" if stacked else "")
-            + ("|compiled=packed-gqa" if getattr(target, "compiled", False) else "")
+            + ("|compiled=size-classes" if getattr(target, "compiled", False) else "")
             + ("|tree=bitwise" if chunked else ""))
 
 
