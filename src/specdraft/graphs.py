@@ -30,7 +30,9 @@ import torch
 # frozen weights, GEMMs autotuned with inductor's C++ GEMM among the candidates...
 CPU_INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 ATEN_GEMMS = {"max_autotune_gemm_backends": "ATEN"}  # ...but not for graphs past the few rows
-FEW_ROWS = 4  # up to here the C++ GEMM tuned at two rows beats oneDNN; beyond it falls behind
+# Up to here the C++ GEMM tuned at two rows beats oneDNN; beyond it falls behind, and tuned at
+# eight rows autotuning picks oneDNN anyway (so no class of its own for 5-8 rows).
+FEW_ROWS = 4
 MANY_ROWS = 1 << 20  # the upper bound of the many-rows class: more than any batch or context
 
 
