@@ -68,6 +68,19 @@ def torch_threads(request):
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def steady_clock(monkeypatch):
+    """``time.perf_counter`` reads 1 ms after its last reading, everywhere (the engine, the
+    policy's timers, the plan trace): the adaptive policy learns from measured step and drafter
+    times, and a test asserting what it plans must not depend on how busy the machine is (beside
+    a compiling job, real timings once kept a flat cost curve's plans off on 21 of 23 steps)."""
+    import itertools
+    import time
+
+    ticks = itertools.count()
+    monkeypatch.setattr(time, "perf_counter", lambda: 1e-3 * next(ticks))
+
+
 @pytest.fixture(scope="session")
 def tiny_target_path(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama")

@@ -375,7 +375,7 @@ class AlwaysWrong(Drafter):
         return Proposal(beams, torch.ones_like(beams, dtype=torch.bool))
 
 
-def test_always_wrong_drafter_ends_at_plain_decoding(tiny_target):
+def test_always_wrong_drafter_ends_at_plain_decoding(tiny_target, steady_clock):
     params = SamplingParams(max_new_tokens=100, ignore_eos=True)
     plain = SpeculativeEngine(tiny_target, NoDrafter()).generate(PROMPTS[:1], params)[0]
     drafter = AlwaysWrong({0: PROMPTS[0] + plain.token_ids}, tiny_target.vocab_size)
@@ -414,7 +414,7 @@ def test_drafters_say_how_deep_one_call_can_draft():
     assert CombinedDrafter([LookupDrafter(1, 4), RandomBeamsDrafter(5)]).max_depth() is None  # no bound known
 
 
-def test_the_plan_prices_only_depths_the_drafter_can_reach(tiny_target):
+def test_the_plan_prices_only_depths_the_drafter_can_reach(tiny_target, steady_clock):
     """A 1 x 3 drafter drafts 2 tokens at most: plans deeper than that priced gains that
     are not there, and its timer filed the same 2-deep call under a dozen depths (a 1 x 3
     head on MT-Bench was planned 5 and 11 deep, timed under depths 2-12), where one stale
@@ -492,17 +492,10 @@ BATCH_FLAT = CostModel([1, 12, 16, 64], [1.0, 1.0, 1.6, 4.0])  # 3 rows x 4 toke
 
 
 @pytest.mark.parametrize("cost", [LINEAR, BATCH_FLAT], ids=["linear", "batch-flat"])
-def test_greedy_parity_with_policy(tiny_target, cost, monkeypatch):
+def test_greedy_parity_with_policy(tiny_target, cost, steady_clock):
     """Greedy output with the policy on is plain decoding's, and the policy varies the depth.
-    The policy learns from measured step and drafter times: a steady fake clock (every reading
-    1 ms after the last) keeps its choices independent of how busy the machine is (under a
-    full suite beside another job, real timings once kept it at depths 0 and 1)."""
-    import itertools
-
-    import specdraft.engine as engine_module
-
-    ticks = itertools.count()
-    monkeypatch.setattr(engine_module.time, "perf_counter", lambda: 1e-3 * next(ticks))
+    ``steady_clock``: under a full suite beside another job, real timings once kept the policy
+    at depths 0 and 1."""
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
     plain = SpeculativeEngine(tiny_target, NoDrafter()).generate(PROMPTS, params)
     oracle = {i: p + r.token_ids for i, (p, r) in enumerate(zip(PROMPTS, plain))}
@@ -550,7 +543,7 @@ class AdaptingSeeded(AdaptivePolicy):
 
 
 @pytest.mark.parametrize("case", list(SAMPLING_CASES))
-def test_sampling_law_with_policy(exact_target, case, monkeypatch):
+def test_sampling_law_with_policy(exact_target, case, monkeypatch, steady_clock):
     drafter_fn, params = SAMPLING_CASES[case]
     with_policy = partial(SpeculativeEngine, policy=AdaptingSeeded(SAMPLING_COST))
     monkeypatch.setattr(exact, "SpeculativeEngine", with_policy)

@@ -17,13 +17,15 @@ PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 4, 5, 4, 5]]
 
 
 def traced_run(tiny_target, cost, path, monkeypatch):
+    """Generate with the policy on and the trace written to ``path``; returns (results, lines).
+    Callers use ``steady_clock``: the plans must not depend on the machine's load."""
     monkeypatch.setenv("SPECDRAFT_PLAN_TRACE", str(path))
     engine = SpeculativeEngine(tiny_target, LookupDrafter(1, 4), policy=AdaptivePolicy(cost))
     res = engine.generate(PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True))
     return res, [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_trace_has_one_line_per_planned_step(tiny_target, tmp_path, monkeypatch):
+def test_trace_has_one_line_per_planned_step(tiny_target, tmp_path, monkeypatch, steady_clock):
     res, lines = traced_run(tiny_target, FLAT4, tmp_path / "plan.jsonl", monkeypatch)
     steps = max(r.steps for r in res)
     assert 0 < len(lines) <= steps - 1  # every step after prefill plans, while rows remain
@@ -38,7 +40,7 @@ def test_trace_has_one_line_per_planned_step(tiny_target, tmp_path, monkeypatch)
     assert sum(line["depth"] > 0 for line in lines) >= 0.8 * len(lines)
 
 
-def test_trace_shows_drafting_off_when_every_token_costs_a_forward(tiny_target, tmp_path, monkeypatch):
+def test_trace_shows_drafting_off_when_every_token_costs_a_forward(tiny_target, tmp_path, monkeypatch, steady_clock):
     _, lines = traced_run(tiny_target, STEEP, tmp_path / "plan.jsonl", monkeypatch)
     late = lines[len(lines) // 2:]
     assert sum(line["depth"] == 0 for line in late) >= 0.8 * len(late)
