@@ -20,9 +20,9 @@ import time
 from torch._dynamo.utils import counters
 
 from specdraft import graphs, load_target
+from specdraft.build import COMPILE_CLASSES
 from specdraft.timing import prefill, time_forward
 
-CLASSES = ((1, (1, 2, 5)), (2, (1, 2)), (8, (1,)))  # build.compile_target's: rows, then tokens per row
 TIMED = ((1, 1), (1, 2), (1, 4), (1, 6), (1, 8), (2, 1), (8, 1))  # (rows, tokens) timed after
 
 
@@ -42,7 +42,7 @@ def main() -> None:
     start = time.time()
     target.compile("inductor")
     prefix = 16
-    for rows, sizes in CLASSES:
+    for rows, sizes in COMPILE_CLASSES:
         cache = prefill(target, prefix, 2 * prefix, rows=rows)
         for n in sizes:
             began = time.time()

@@ -58,6 +58,11 @@ WARM_UP_PROMPT = "Count from one to thirty, in words, separated by commas."
 WARM_UP_TOKENS = 24
 
 
+# The calls compile_target makes after a prefill: rows, then tokens per row, one per size class
+# of ``graphs`` (1 row: one, few, many tokens; 2 rows: one and two tokens; 8 rows: many rows).
+COMPILE_CLASSES = ((1, (1, 2, 5)), (2, (1, 2)), (8, (1,)))
+
+
 def compile_target(target, backend: str = "inductor") -> None:
     """``Target.compile``, then compile the size classes (``graphs``) the engine feeds before
     anything is timed or served: a prefill into an empty cache, then after a cached prefix one
@@ -68,7 +73,7 @@ def compile_target(target, backend: str = "inductor") -> None:
 
     target.compile(backend)
     prefix = min(16, target.max_context // 4)
-    for rows, sizes in ((1, (1, 2, 5)), (2, (1, 2)), (8, (1,))):
+    for rows, sizes in COMPILE_CLASSES:
         cache = prefill(target, prefix, 2 * prefix, rows=rows)
         for n in sizes:
             time_forward(target, cache, min(n, prefix), prefix, trials=0, warmup=1)
