@@ -112,6 +112,37 @@ def test_responses_are_written_progressively_and_resume_without_duplicates(tiny_
         assert r["response_ids"] == result.token_ids and r["finish_reason"] == result.finish_reason
 
 
+def test_an_interrupted_window_keeps_its_finished_answers(tiny_target_path, tmp_path, monkeypatch, capsys):
+    """Ctrl-C / SIGTERM mid-window: the answers finished so far are written (not decoded again),
+    and the completed file is line for line the file of one uninterrupted run."""
+    data = tiny_sharegpt(tmp_path / "sg.json")
+    common = ["--temperatures", "0,1", "--max-new-tokens", "8", "--seed", "3", "--batch-size", "2", "--limit", "6"]
+    assert distill(tiny_target_path, data, tmp_path / "whole.jsonl", *common) == 0
+    whole = lines(tmp_path / "whole.jsonl")
+    run_continuous = SpeculativeEngine.run_continuous
+
+    def interrupted_after(n):
+        def run(self, *args, **kwargs):
+            finished = 0
+            for event in run_continuous(self, *args, **kwargs):
+                yield event
+                finished += event.result is not None
+                if finished == n:
+                    raise KeyboardInterrupt
+        return run
+
+    out = tmp_path / "parts.jsonl"
+    monkeypatch.setattr(SpeculativeEngine, "run_continuous", interrupted_after(5))
+    assert distill(tiny_target_path, data, out, *common) == cli.EXIT_INTERRUPTED
+    kept = lines(out)
+    assert len(kept) == 5 and set(kept) <= set(whole)  # the finished ones, nothing else
+    monkeypatch.setattr(SpeculativeEngine, "run_continuous", run_continuous)
+    capsys.readouterr()
+    assert distill(tiny_target_path, data, out, *common) == 0
+    assert "5 already in the file" in capsys.readouterr().err
+    assert lines(out) == whole
+
+
 def test_responses_do_not_depend_on_batch_size(tiny_target_path, tmp_path):
     data = tiny_sharegpt(tmp_path / "sg.json")
     common = ["--temperatures", "0,0.8", "--max-new-tokens", "10", "--limit", "4"]

@@ -117,3 +117,14 @@ def test_a_file_that_is_not_gguf_is_a_one_line_error(tmp_path, capsys):
     assert cli.main(["generate", "--target", str(fake), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert "is not a GGUF file" in err and "Traceback" not in err
+
+
+def test_a_prompt_must_leave_room_for_an_answer(tiny_target):
+    """``Target.encode_decodable`` (generate, parity, bench): an empty prompt or one that fills
+    the context is a one-line error naming the prompt; a shorter one is its ids."""
+    assert tiny_target.encode_decodable("p1", "t3 t4", chat=False) == tiny_target.encode_prompt("t3 t4", False)
+    with pytest.raises(SpecdraftError, match="prompt 'p2' is empty"):
+        tiny_target.encode_decodable("p2", "", chat=False)
+    too_long = " ".join(["t3"] * tiny_target.max_context)
+    with pytest.raises(SpecdraftError, match=rf"prompt 7 has \d+ tokens; .* has a context of {tiny_target.max_context}"):
+        tiny_target.encode_decodable(7, too_long, chat=False)

@@ -24,7 +24,11 @@ tokens only. Cost ≈ (1 + K·P/T) forward passes over the conversation, P = pos
 Both modes are resumable: records are appended (and flushed) in a fixed order, batch by
 batch (responses: window by window, ``WINDOW_BATCHES`` batches' worth of length-sorted
 prompts decoded by continuous batching); rerunning the same command skips the keys
-already in the file, and an incomplete last line left by a crash is discarded. Settings
+already in the file, and an incomplete last line left by a crash is discarded. An
+interrupted responses window (Ctrl-C, SIGTERM) first writes the answers it has finished,
+so at most the unfinished ones are decoded again; when a run completes, a file whose
+records came out of order that way is rewritten in the items' order (by seed), the order
+one uninterrupted run writes. Settings
 that change what a record means (target, max_new_tokens, top_p, top_k, K, seq_len) must
 match the file's.
 """
@@ -37,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .data.chat import IGNORE, encode_conversation, encode_prompt
-from .data.jsonl import JsonlAppender, iter_records
+from .data.jsonl import JsonlAppender, iter_records, sort_records
 from .errors import SpecdraftError
 from .sampling import SamplingParams
 
@@ -201,20 +205,34 @@ def distill_responses(engine, prompts: list[Prompt], temperatures: list[float], 
             params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=group[i].temperature,
                                      top_p=top_p, top_k=top_k, seed=group[i].seed) for i in order]
             began = time.perf_counter()
-            for event in engine.run_continuous([group[i].prompt.ids for i in order], params, batch_size):
-                if event.result is not None:
-                    results[order[event.request_id]] = event.result
-                    bar.update(1)
-            report.seconds += time.perf_counter() - began
-            for it, res in zip(group, results):  # in item order: the file stays ordered
-                report.new_tokens += len(res.token_ids)
-                sink.write({"kind": "response", "prompt_id": it.prompt.id, "prompt": it.prompt.messages,
-                            "response": res.text, "response_ids": res.token_ids,
-                            "prompt_tokens": len(it.prompt.ids), "temperature": it.temperature,
-                            "seed": it.seed, "top_p": top_p, "top_k": top_k, "max_new_tokens": max_new_tokens,
-                            "target": target.name, "finish_reason": res.finish_reason})
-                report.written += 1
+            try:
+                for event in engine.run_continuous([group[i].prompt.ids for i in order], params, batch_size):
+                    if event.result is not None:
+                        results[order[event.request_id]] = event.result
+                        bar.update(1)
+            finally:  # interrupted too (Ctrl-C, SIGTERM): the answers already finished are kept
+                report.seconds += time.perf_counter() - began
+                write_responses(sink, group, results, settings, report)
+    if report.written and all(r.get("kind") == "response" for r in iter_records(out)):
+        # An interrupted window kept the answers it had finished, ahead of the ones it had not:
+        # once all are done, the file is put back in the items' order (seed = prompt-major
+        # index), so answers made over several sittings read as one uninterrupted run's.
+        sort_records(out, key=lambda r: r["seed"])
     return report
+
+
+def write_responses(sink, group: list[WorkItem], results: list, settings: dict, report: DistillReport) -> None:
+    """Append the finished results of a window (None: not finished) in item order."""
+    for it, res in zip(group, results):
+        if res is None:
+            continue
+        report.new_tokens += len(res.token_ids)
+        sink.write({"kind": "response", "prompt_id": it.prompt.id, "prompt": it.prompt.messages,
+                    "response": res.text, "response_ids": res.token_ids, "prompt_tokens": len(it.prompt.ids),
+                    "temperature": it.temperature, "seed": it.seed, "top_p": settings["top_p"],
+                    "top_k": settings["top_k"], "max_new_tokens": settings["max_new_tokens"],
+                    "target": settings["target"], "finish_reason": res.finish_reason})
+        report.written += 1
 
 
 # ---- next-k -----------------------------------------------------------------------------

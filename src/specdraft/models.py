@@ -9,7 +9,6 @@ logits head, and facts about the model (vocabulary, context length, EOS ids).
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import os
 import shutil
 import sys
@@ -23,6 +22,7 @@ import torch
 
 from . import fastpath, graphs, siblings
 from .errors import SpecdraftError, first_line
+from .packaged import packaged_file
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
 
@@ -54,14 +54,10 @@ def cache_dir() -> Path:
 def packaged_gguf(model: PackagedModel) -> Path:
     """The GGUF file of an installed model package: shipped as a file, or assembled by the
     package's own ``assemble(output_path)`` from chunks (into the cache, once)."""
-    try:
-        dist = importlib.metadata.distribution(model.package)
-    except importlib.metadata.PackageNotFoundError:
-        raise SpecdraftError(f"the target {model.name} needs the PyPI package {model.package}: "
-                             f"pip install {model.package}=={model.version}") from None
-    for f in dist.files or []:
-        if str(f).endswith(".gguf"):
-            return Path(dist.locate_file(f))
+    found = packaged_file(model.package, ".gguf", f"the target {model.name}",
+                          f"pip install {model.package}=={model.version}")
+    if found is not None:
+        return found
     module = importlib.import_module(model.package.replace("-", "_"))
     if not hasattr(module, "assemble"):
         raise SpecdraftError(f"no .gguf file found in the installed {model.package} package")
@@ -403,6 +399,17 @@ class Target:
                 ids = ids["input_ids"]
             return list(ids)
         return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+
+    def encode_decodable(self, prompt_id, text: str, chat: bool) -> list[int]:
+        """``encode_prompt``'s ids, checked to leave room for an answer: a prompt that is
+        empty or fills the context is a one-line error naming ``prompt_id``."""
+        ids = self.encode_prompt(text, chat)
+        if not ids:
+            raise SpecdraftError(f"prompt {prompt_id!r} is empty")
+        if len(ids) >= self.max_context:
+            raise SpecdraftError(f"prompt {prompt_id!r} has {len(ids)} tokens; {self.name} has a context of "
+                                 f"{self.max_context}")
+        return ids
 
 
 @contextmanager

