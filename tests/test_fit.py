@@ -616,8 +616,28 @@ def test_fit_trains_a_draft_model_resumably_and_it_stays_exact(tiny_target_path,
     assert got == ref
 
 
+def test_fit_trains_a_draft_on_policy_resumably(tiny_target_path, tiny_target, data, answers, tmp_path):
+    """--on-policy: the draft's own continuations of the conversations' prompts, scored by the
+    target each step (no hidden cache); stopped and continued it ends bitwise where an
+    uninterrupted run ends (the sampling RNG is in the checkpoint)."""
+    from safetensors.torch import load_file as load
+
+    common = ["--drafter", "draft", "--heldout-data", str(answers), "--copy-layers", "0", "--epochs", "1",
+              "--batch-sequences", "4", "--save-every", "0", "--gamma", "2", "--on-policy", "--on-policy-tokens", "6"]
+    assert fit(tiny_target_path, data, tmp_path / "a", *common) == 0
+    assert fit(tiny_target_path, data, tmp_path / "b", *common, "--stop-after-steps", "1") == 0
+    assert fit(tiny_target_path, data, tmp_path / "b", *common) == 0
+    a, b = (load(tmp_path / r / "final" / "model.safetensors") for r in "ab")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not (tmp_path / "a" / "hidden-cache").exists()
+    stage = json.loads((tmp_path / "a" / "final" / "specdraft.json").read_text())["stages"][-1]
+    assert stage["on_policy"] is True and stage["steps"] >= 2
+    build_drafter(f"draft:{tmp_path / 'a' / 'final'}", tiny_target, gamma=2)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--tokens", "1k"], "--budget or --max-steps"),
+    (["--on-policy-tokens", "0"], "--on-policy-tokens must be >= 1"),
     (["--copy-layers", "x"], "copy-layers"),
     (["--init-from", "default", "--copy-layers", "0"], "drop --copy-layers"),
     (["--labels", "agreeing"], "is for heads"),
@@ -627,6 +647,12 @@ def test_bad_draft_fit_options_are_one_line_errors(tiny_target_path, data, tmp_p
     assert fit(tiny_target_path, data, tmp_path / "x", "--drafter", "draft", *argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_on_policy_is_a_draft_model_option(tiny_target_path, data, tmp_path, capsys):
+    assert fit(tiny_target_path, data, tmp_path / "x", "--on-policy") == 2
+    err = capsys.readouterr().err
+    assert "--on-policy is for --drafter draft" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("argv, message", [

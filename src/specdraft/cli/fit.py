@@ -86,6 +86,11 @@ def add_fit(subparsers) -> None:
     g.add_argument("--gamma", type=int, default=3, help="held-out τ at γ = 1..GAMMA (default: %(default)s)")
     g.add_argument("--batch-sequences", type=int, default=8, metavar="N",
                    help="sequences per optimizer step (default: %(default)s)")
+    g.add_argument("--on-policy", action="store_true",
+                   help="train on the conversations' first prompts continued by the draft itself (sampled each "
+                        "step), scored by one target pass, instead of the conversations (DistillSpec)")
+    g.add_argument("--on-policy-tokens", type=int, default=128, metavar="N",
+                   help="tokens the draft writes per prompt with --on-policy (default: %(default)s)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=2, help="(default: %(default)s)")
     g.add_argument("--max-steps", type=int, metavar="N", help="at most N optimizer steps (the LR schedule spans "
@@ -167,7 +172,8 @@ def config_from(args: argparse.Namespace):
                        epochs=args.epochs, max_steps=args.max_steps, batch_positions=args.batch_positions,
                        lr=args.lr if args.lr is not None else DEFAULT_LR[args.drafter], warmup=args.warmup,
                        loss=args.loss, copy_layers=args.copy_layers, gamma=args.gamma,
-                       batch_sequences=args.batch_sequences,
+                       batch_sequences=args.batch_sequences, on_policy=args.on_policy,
+                       on_policy_tokens=args.on_policy_tokens,
                        seed=args.seed, eval_every=args.eval_every, save_every_seconds=args.save_every,
                        progress=not args.no_progress, compile_target=args.compile_target,
                        compile_loss=not args.no_compile_loss, init_from=args.init_from,

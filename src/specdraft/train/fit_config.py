@@ -68,6 +68,8 @@ class FitConfig:
     copy_layers: str | None = None  # "I,J,...": start from these target layers at full width
     gamma: int = 3  # held-out walk τ at γ = 1..gamma
     batch_sequences: int = 8  # sequences per optimizer step
+    on_policy: bool = False  # train on the conversations' prompts continued by the draft itself
+    on_policy_tokens: int = 128  # tokens the draft writes per prompt with on_policy
 
     def check(self) -> None:
         if self.num_blocks < 0 or self.eval_every < 0 or self.seq_len < 3:
@@ -89,6 +91,9 @@ class FitConfig:
             raise SpecdraftError(f"fit trains redrafter or medusa heads or a draft model, got {self.drafter!r}")
         if self.drafter == "draft":
             self.check_draft()
+        elif self.on_policy:
+            raise SpecdraftError(f"--on-policy is for --drafter draft (a head trains on the target's own states), "
+                                 f"not {self.drafter}")
         if self.max_steps is not None and self.max_steps < 1:
             raise SpecdraftError(f"max-steps must be >= 1, got {self.max_steps}")
         if self.data_offset < 0:
@@ -138,3 +143,5 @@ class FitConfig:
             parse_layers(self.copy_layers)
         if self.init_from and self.copy_layers:
             raise SpecdraftError("--init-from continues a draft (its shape is given); drop --copy-layers")
+        if self.on_policy_tokens < 1:
+            raise SpecdraftError(f"--on-policy-tokens must be >= 1, got {self.on_policy_tokens}")

@@ -10,7 +10,10 @@ Stages, each resumable (the same command continues where a run stopped):
                  ``loss`` against the target's distributions. The target's hidden states
                  are computed on the first pass over each conversation and kept in
                  OUT/hidden-cache (the target's dtype: bfloat16 where the CPU has it), so
-                 later epochs and reruns never run the target again. Checkpoints every
+                 later epochs and reruns never run the target again. With ``on_policy`` the
+                 sequences are instead each conversation's first prompt continued by the
+                 draft itself (``on_policy_tokens``, sampled every step), scored by one target
+                 pass (no cache: they change every step). Checkpoints every
                  ``save_every_seconds``; the budget stops it with a checkpoint
     3. final     OUT/final (written by the trainer when the schedule ends): loadable as
                  ``draft:OUT/final``, as transformers' ``assistant_model`` (full
@@ -45,7 +48,9 @@ def draft_config(config, heldout: Path, deadline: float | None) -> DraftTrainCon
         data_offset=config.data_offset, seq_len=config.seq_len, epochs=config.epochs, max_steps=config.max_steps,
         batch_size=config.batch_sequences, lr=config.lr, warmup=config.warmup, weight_decay=config.weight_decay,
         seed=config.seed, eval_every=config.eval_every, eval_data=str(heldout), eval_examples=config.heldout_prompts,
-        hidden_cache=str(Path(config.out) / "hidden-cache"),
+        # On-policy sequences change every step: nothing of the target's to cache.
+        hidden_cache=None if config.on_policy else str(Path(config.out) / "hidden-cache"),
+        on_policy=config.on_policy, on_policy_tokens=config.on_policy_tokens,
         # bfloat16 autocast where the target runs bfloat16 (the CPUs with native bf16, GPUs)
         mixed_precision="bf16" if config.dtype == "bfloat16" else "no",
         resume=True, save_every=10**9, save_every_seconds=config.save_every_seconds, deadline=deadline,
