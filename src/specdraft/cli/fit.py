@@ -49,6 +49,24 @@ def parse_layers(text: str | None) -> list[int]:
     return layers
 
 
+def add_draft_model_options(p) -> None:
+    """``fit --drafter draft``'s own options."""
+    g = p.add_argument_group("draft model (--drafter draft)")
+    g.add_argument("--loss", choices=("fkl", "rkl", "tvd", "tvdpp"), default="tvdpp",
+                   help="distillation loss (docs/draft_model.md) (default: %(default)s)")
+    g.add_argument("--copy-layers", metavar="I,J,...",
+                   help="start from these target layers at full width, the target's embeddings borrowed "
+                        "(default: the target's embeddings on the default small shape)")
+    g.add_argument("--gamma", type=int, default=3, help="held-out τ at γ = 1..GAMMA (default: %(default)s)")
+    g.add_argument("--batch-sequences", type=int, default=8, metavar="N",
+                   help="sequences per optimizer step (default: %(default)s)")
+    g.add_argument("--on-policy", action="store_true",
+                   help="train on the conversations' first prompts continued by the draft itself (sampled each "
+                        "step), scored by one target pass, instead of the conversations (DistillSpec)")
+    g.add_argument("--on-policy-tokens", type=int, default=128, metavar="N",
+                   help="tokens the draft writes per prompt with --on-policy (default: %(default)s)")
+
+
 def add_fit(subparsers) -> None:
     p = subparsers.add_parser(
         "fit", help="train a ready drafter for a target in one resumable command",
@@ -77,20 +95,7 @@ def add_fit(subparsers) -> None:
     p.add_argument("--heldout-data", metavar="FILE.jsonl",
                    help="score on this distill file of the target's answers instead")
     add_head_options(p)
-    g = p.add_argument_group("draft model (--drafter draft)")
-    g.add_argument("--loss", choices=("fkl", "rkl", "tvd", "tvdpp"), default="tvdpp",
-                   help="distillation loss (docs/draft_model.md) (default: %(default)s)")
-    g.add_argument("--copy-layers", metavar="I,J,...",
-                   help="start from these target layers at full width, the target's embeddings borrowed "
-                        "(default: the target's embeddings on the default small shape)")
-    g.add_argument("--gamma", type=int, default=3, help="held-out τ at γ = 1..GAMMA (default: %(default)s)")
-    g.add_argument("--batch-sequences", type=int, default=8, metavar="N",
-                   help="sequences per optimizer step (default: %(default)s)")
-    g.add_argument("--on-policy", action="store_true",
-                   help="train on the conversations' first prompts continued by the draft itself (sampled each "
-                        "step), scored by one target pass, instead of the conversations (DistillSpec)")
-    g.add_argument("--on-policy-tokens", type=int, default=128, metavar="N",
-                   help="tokens the draft writes per prompt with --on-policy (default: %(default)s)")
+    add_draft_model_options(p)
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=2, help="(default: %(default)s)")
     g.add_argument("--max-steps", type=int, metavar="N", help="at most N optimizer steps (the LR schedule spans "
