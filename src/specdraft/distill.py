@@ -213,10 +213,11 @@ def distill_responses(engine, prompts: list[Prompt], temperatures: list[float], 
             finally:  # interrupted too (Ctrl-C, SIGTERM): the answers already finished are kept
                 report.seconds += time.perf_counter() - began
                 write_responses(sink, group, results, settings, report)
-    if report.written and all(r.get("kind") == "response" for r in iter_records(out)):
+    if report.written:
         # An interrupted window kept the answers it had finished, ahead of the ones it had not:
         # once all are done, the file is put back in the items' order (seed = prompt-major
         # index), so answers made over several sittings read as one uninterrupted run's.
+        # (``existing_keys`` has checked that every record in the file is a response.)
         sort_records(out, key=lambda r: r["seed"])
     return report
 
