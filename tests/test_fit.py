@@ -407,6 +407,11 @@ def test_fit_trains_on_the_targets_own_answers_at_a_stated_share(tiny_target_pat
     train_ids = [c.id for c in iter_conversations(data, "train")][:3]
     assert [(r["prompt_id"], r["temperature"]) for r in records] == [(i, t) for i in train_ids for t in (0.0, 1.0)]
     assert not {c.id for c in iter_conversations(data, "heldout")} & {r["prompt_id"] for r in records}
+    # ... and a retrieval datastore of them, ready as retrieval:OUT/datastore.
+    from specdraft.datastore import Datastore
+
+    store = Datastore.load(out / "datastore")
+    assert store.tokens.tolist() == [t for r in records for t in r["response_ids"] + [-1]]
     corpus = Corpus(out / "corpus").joined(Corpus(out / "answers-corpus"))
     assert corpus.parts[1][1] > corpus.parts[1][0] == len(Corpus(out / "corpus"))  # the answers hold positions
     spans = example_spans(corpus.parts, BLOCK, 0.5)

@@ -31,7 +31,9 @@ from drafters_for_tests import RandomBeamsDrafter, SampledChainDrafter
 import specdraft.engine as engine
 from specdraft.drafters import LookupDrafter, NoDrafter
 from specdraft.drafters.combined import CombinedDrafter
+from specdraft.datastore import Datastore
 from specdraft.drafters.redrafter import ReDrafter
+from specdraft.drafters.retrieval import RetrievalDrafter
 from specdraft.heads import ReDrafterHead
 from specdraft.drafters.base import DraftContext, Drafter, Proposal
 from specdraft.engine import SpeculativeEngine
@@ -46,6 +48,7 @@ K = 4  # tokens per request: the first comes from prefill, the rest from one or 
 ALPHA = 1e-3
 PROMPT_A = [1, 2, 3, 4, 5, 2, 3]  # repeated n-grams, so lookup has candidates
 PROMPT_B = [4, 4, 2, 5]
+ANSWERS = [[3, 4, 5, 2, 3, 1], [2, 3, 4, 4, 1, 0], [5, 2, 3, 3, 4, 5, 1], [1, 2, 5, 5, 3]]  # a retrieval datastore
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +186,9 @@ CASES = {
     "lookup T=1 top-p with EOS": (lambda t: LookupDrafter(beam_width=2, beam_length=4), {**T1, "ignore_eos": False}),
     "lookup+oracle beams T=1 top-p": (lambda t: CombinedDrafter([LookupDrafter(beam_width=2, beam_length=3),
                                                                   OracleBeamsDrafter(t)]), T1),
+    # A datastore of other "answers": candidates from its trie, deterministic (beam 2 is the
+    # second most frequent first token).
+    "retrieval T=1 top-p": (lambda t: RetrievalDrafter(Datastore.from_answers(ANSWERS, V), beam_width=2), T1),
     "sampled chain T=0.7 top-p": (lambda t: SampledChainDrafter(V, beam_length=4), T07),
     "sampled chain T=1 top-k": (lambda t: SampledChainDrafter(V, beam_length=4, seed=1), TOPK),
 }
@@ -295,6 +301,7 @@ def test_greedy_speculative_equals_autoregressive(target):
         table.update(exact_law(target, p, SamplingParams(max_new_tokens=3, temperature=1.0), depth=3)[1])
     for drafter in [RandomBeamsDrafter(V, beam_width=3, beam_length=4), LookupDrafter(beam_width=2, beam_length=5),
                     SampledChainDrafter(V, beam_length=4), OracleBeamsDrafter(table),
+                    RetrievalDrafter(Datastore.from_answers(ANSWERS, V), beam_width=2, beam_length=5),
                     CombinedDrafter([LookupDrafter(beam_width=1, beam_length=3),
                                      RandomBeamsDrafter(V, beam_width=2, beam_length=5, seed=3)])]:
         spec, results = run_rows(target, drafter, prompts, params)

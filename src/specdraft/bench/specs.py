@@ -13,7 +13,7 @@ from .methods import EngineMethod, Method
 from .peers import build_peer
 
 PEER_KINDS = ("hf-ar", "hf-assisted", "hf-lookup")
-WITH_PATH = ("redrafter", "medusa", "draft", "hf-assisted")
+WITH_PATH = ("redrafter", "medusa", "draft", "retrieval", "hf-assisted")
 WITHOUT_PATH = ("none", "auto", "lookup", "hf-ar", "hf-lookup")
 
 
@@ -69,7 +69,7 @@ def check_spec(spec: str) -> None:
             raise SpecdraftError(f"{spec}: checkpoint folder not found: {path}")
         return
     raise SpecdraftError(f"unknown method {spec!r}; choose from none, auto, lookup, redrafter:PATH, medusa:PATH, "
-                         "draft:PATH, hf-ar, hf-assisted:PATH, hf-lookup")
+                         "draft:PATH, retrieval:PATH, hf-ar, hf-assisted:PATH, hf-lookup")
 
 
 def build_method(spec: str, target, beam_width=None, beam_length=None, gamma=None, policy=None) -> Method:

@@ -28,6 +28,7 @@ from .. import __version__
 from ..errors import SpecdraftError
 from .bench import add_bench, add_sweep
 from .checks import check_args
+from .datastore import add_datastore
 from .distill import add_distill
 from .export import add_export
 from .fit import add_fit
@@ -50,6 +51,7 @@ SUBCOMMANDS: dict[str, Callable] = {
     "serve": add_serve,
     "train": add_train,
     "distill": add_distill,
+    "datastore": add_datastore,
     "fit": add_fit,
     "export": add_export,
     "parity": add_parity,

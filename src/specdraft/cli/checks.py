@@ -30,10 +30,11 @@ SEED_MAX = 2**32 - 1
 
 # What --out of each subcommand is; a subcommand not listed gets only the checks that hold
 # for both (its closest existing ancestor must be a writable folder).
-OUT_KINDS = {"distill": "file", "bench": "dir", "sweep": "dir", "train": "dir", "export": "dir", "fit": "dir"}
+OUT_KINDS = {"distill": "file", "bench": "dir", "sweep": "dir", "train": "dir", "export": "dir", "fit": "dir",
+             "datastore": "dir"}
 
 # Drafter kinds whose ``kind:PATH`` names a checkpoint folder (others are the subcommand's to reject).
-CHECKPOINT_KINDS = ("redrafter", "medusa", "draft", "hf-assisted")
+CHECKPOINT_KINDS = ("redrafter", "medusa", "draft", "retrieval", "hf-assisted")
 
 # Options naming an input text file (when the value is not a named built-in set).
 TEXT_FILES = {"prompts_file": "--prompts-file", "eval_data": "--eval-data", "data": "--data"}
@@ -47,8 +48,11 @@ def check_args(args: argparse.Namespace) -> None:
     if present("seed"):
         check_seed(args.seed)
     for name, flag in TEXT_FILES.items():
-        if present(name) and str(getattr(args, name)) not in BUILTIN_SETS:
-            check_text_file(str(getattr(args, name)), flag)
+        if present(name):
+            values = getattr(args, name)
+            for value in values if isinstance(values, list) else [values]:  # datastore --data: several
+                if str(value) not in BUILTIN_SETS:
+                    check_text_file(str(value), flag)
     if present("dataset") and isinstance(args.dataset, list):  # bench / sweep prompt sets
         for spec in args.dataset:
             if spec not in BUILTIN_SETS:

@@ -46,10 +46,11 @@ def _tree_cap(text: str) -> int | None | str:
 def add_drafter_args(parser: argparse.ArgumentParser) -> None:
     """--drafter and the shape of its proposals."""
     g = parser.add_argument_group("drafter")
-    g.add_argument("--drafter", default="auto", metavar="auto|none|lookup|redrafter:PATH|medusa:PATH|draft:PATH|A+B",
+    g.add_argument("--drafter", default="auto",
+                   metavar="auto|none|lookup|retrieval:PATH|redrafter:PATH|medusa:PATH|draft:PATH|A+B",
                    help="where candidate tokens come from: none (plain decoding), lookup (prompt "
-                        "n-gram lookup), a trained recurrent drafter or a small draft model "
-                        "(checkpoint folders), several joined by '+'; auto: lookup+redrafter:default on "
+                        "n-gram lookup), a datastore of the target's answers (specdraft datastore), a trained "
+                        "recurrent drafter or a small draft model (checkpoint folders), several joined by '+'; auto: lookup+redrafter:default on "
                         "the default target (its shipped head), lookup on any other (default: %(default)s)")
     g.add_argument("--max-tree-tokens", type=_tree_cap, default="auto", metavar="N|auto|none",
                    help="most tokens one verify step may hold over the whole batch, shared by its rows: "

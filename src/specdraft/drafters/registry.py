@@ -1,5 +1,5 @@
 """Build a drafter from its command-line spec: auto | none | lookup | redrafter:PATH | medusa:PATH |
-draft:PATH, or several joined by '+' (e.g. lookup+redrafter:PATH: the union of their candidates)."""
+draft:PATH | retrieval:PATH, or several joined by '+' (e.g. lookup+redrafter:PATH: the union of their candidates)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from .autoregressive import NoDrafter
 from .base import Drafter, check_shapes  # check_shapes re-exported: the CLI checks shapes here
 from .lookup import LookupDrafter
 
-KINDS = ("auto", "none", "lookup", "redrafter:PATH", "medusa:PATH", "draft:PATH", "A+B (e.g. lookup+redrafter:PATH)")
+KINDS = ("auto", "none", "lookup", "redrafter:PATH", "medusa:PATH", "draft:PATH", "retrieval:PATH", "A+B (e.g. lookup+redrafter:PATH)")
 
 
-SHIPPED_KINDS = ("redrafter", "medusa", "draft")
+SHIPPED_KINDS = ("redrafter", "medusa", "draft", "retrieval")
 # transformers' assisted generation with our draft model: hf-assisted:default is draft:default.
 SHIPPED_ALIASES = {"hf-assisted": "draft"}
 
@@ -39,6 +39,11 @@ def combined_parts(spec: str) -> list[str]:
     return parts
 
 
+def untrained(part: str) -> bool:
+    """Whether a combined spec's part keeps its own shape (the shapes given are the trained parts')."""
+    return part == "lookup" or part.startswith("retrieval:")
+
+
 def checkpoint_path(kind: str, path: str) -> str:
     """The checkpoint folder a spec names: 'default' is the drafter shipped for the default
     target (a one-line error when none of that kind is shipped); any other path as given."""
@@ -60,7 +65,7 @@ def build_drafter(spec: str, target, beam_width: int | None = None, beam_length:
     if "+" in spec:
         from .combined import CombinedDrafter
 
-        return CombinedDrafter([build_drafter(p, target) if p == "lookup" else
+        return CombinedDrafter([build_drafter(p, target) if untrained(p) else
                                 build_drafter(p, target, beam_width, beam_length, gamma) for p in combined_parts(spec)])
     kind, _, path = spec.partition(":")
     path = checkpoint_path(kind, path)
@@ -82,4 +87,8 @@ def build_drafter(spec: str, target, beam_width: int | None = None, beam_length:
         from .medusa import MedusaDrafter
 
         return MedusaDrafter.load(path, target, beam_width=beam_width, beam_length=beam_length)
+    if kind == "retrieval" and path:
+        from .retrieval import RetrievalDrafter
+
+        return RetrievalDrafter.load(path, target, beam_width=beam_width, beam_length=beam_length)
     raise SpecdraftError(f"unknown drafter {spec!r}; choose one of: {', '.join(KINDS)}")

@@ -52,6 +52,22 @@ def own_answers(config, target, path: Path) -> None:
     prompts of the training split, one per temperature of ``own_temperatures`` (greedy: 0)
     — the text it will draft at inference, beside ShareGPT's (resumable distill file)."""
     target_answers(config, target, path, "train", config.own_answers, config.own_temperatures, ANSWER_BATCH)
+    answers_datastore(target, path, path.parent / "datastore")
+
+
+def answers_datastore(target, answers: Path, folder: Path) -> None:
+    """The finished answers as a retrieval datastore in ``folder`` (``retrieval:OUT/datastore``,
+    docs/retrieval.md): rebuilt when the answers file holds more answers than it (seconds)."""
+    import json
+
+    from ..datastore import CONFIG, Datastore, answers_in_file
+
+    ids = list(answers_in_file(answers, target.tokenizer, target.name))
+    config = folder / CONFIG
+    if not ids or (config.is_file() and json.loads(config.read_text()).get("answers") == len(ids)):
+        return
+    Datastore.from_answers(ids, target.vocab_size).save(folder, {"target": target.name, "sources": [str(answers)]})
+    say(f"{folder}: a retrieval datastore of {len(ids)} answers (--drafter ...+retrieval:{folder})")
 
 
 def target_answers(config, target, path: Path, split: str, limit: int, temperatures: list[float],
