@@ -150,6 +150,24 @@ class Drafter(ABC):
         return False
 
 
+def candidates_proposal(g0: torch.Tensor, W: int, L: int, rows: list[list[tuple[list[int], list[float]]]]) -> Proposal:
+    """A (B, W, L) proposal from each row's candidates: rows[b] holds up to W (tokens,
+    confidences) pairs of at most L - 1 tokens each, written after g0; the rest of a beam,
+    and beams a row has no candidate for, are invalid (g0 alone: a plain step)."""
+    B, device = g0.shape[0], g0.device
+    beams = g0[:, None, None].repeat(1, W, L)
+    valid = torch.zeros(B, W, L, dtype=torch.bool, device=device)
+    valid[:, :, 0] = True
+    confidence = torch.ones(B, W, L, device=device)
+    for b, candidates in enumerate(rows):
+        for w, (tokens, conf) in enumerate(candidates):
+            end = 1 + len(tokens)
+            beams[b, w, 1:end] = torch.as_tensor(tokens, device=device)
+            valid[b, w, 1:end] = True
+            confidence[b, w, 1:end] = torch.as_tensor(conf, dtype=confidence.dtype, device=device)
+    return Proposal(beams=beams, valid=valid, confidence=confidence)
+
+
 def single_beam(g0: torch.Tensor) -> Proposal:
     """The trivial proposal: just g0, i.e. one autoregressive step."""
     beams = g0[:, None, None]

@@ -14,7 +14,7 @@ import json
 import torch
 
 from ..models import cache_dir
-from .base import DraftContext, Drafter, Proposal, check_shapes
+from .base import DraftContext, Drafter, Proposal, candidates_proposal, check_shapes
 
 
 DEFAULT_BEAM_WIDTH, DEFAULT_BEAM_LENGTH = 1, 4  # (W, L) when no sweep recorded a shape
@@ -80,17 +80,10 @@ class LookupDrafter(Drafter):
             return None
 
     def propose(self, ctx: DraftContext) -> Proposal:
-        B, device = len(ctx.tokens), ctx.g0.device
-        beams = ctx.g0[:, None, None].repeat(1, self.W, self.L)
-        valid = torch.zeros(B, self.W, self.L, dtype=torch.bool, device=device)
-        valid[:, :, 0] = True
-        confidence = torch.ones(B, self.W, self.L, device=device)
-        for b, history in enumerate(ctx.tokens):
+        rows = []
+        for history in ctx.tokens:
             n, found = self.match(history)
             # A longer matched n-gram is likelier to go on the same way; adaptive drafting
             # calibrates the scale per request.
-            confidence[b, :, 1:] = n / (n + 1)
-            for w, cont in enumerate(found):
-                beams[b, w, 1: 1 + len(cont)] = cont
-                valid[b, w, 1: 1 + len(cont)] = True
-        return Proposal(beams=beams, valid=valid, confidence=confidence)
+            rows.append([(cont.tolist(), [n / (n + 1)] * len(cont)) for cont in found])
+        return candidates_proposal(ctx.g0, self.W, self.L, rows)

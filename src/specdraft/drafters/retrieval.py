@@ -24,7 +24,7 @@ import torch
 
 from ..datastore import SEPARATOR, Datastore
 from ..errors import SpecdraftError
-from .base import DraftContext, Drafter, Proposal, check_shapes
+from .base import DraftContext, Drafter, Proposal, candidates_proposal, check_shapes
 
 DEFAULT_BEAM_WIDTH, DEFAULT_BEAM_LENGTH = 1, 4
 
@@ -59,18 +59,7 @@ class RetrievalDrafter(Drafter):
         return [_follow(conts[conts[:, 0] == t], t, c / conts.shape[0]) for t, c in zip(firsts[: self.W], counts)]
 
     def propose(self, ctx: DraftContext) -> Proposal:
-        B, device = len(ctx.tokens), ctx.g0.device
-        beams = ctx.g0[:, None, None].repeat(1, self.W, self.L)
-        valid = torch.zeros(B, self.W, self.L, dtype=torch.bool, device=device)
-        valid[:, :, 0] = True
-        confidence = torch.ones(B, self.W, self.L, device=device)
-        for b, history in enumerate(ctx.tokens):
-            for w, (tokens, conf) in enumerate(self.chains(history.cpu())):
-                n = len(tokens)
-                beams[b, w, 1: 1 + n] = torch.tensor(tokens, device=device)
-                valid[b, w, 1: 1 + n] = True
-                confidence[b, w, 1: 1 + n] = torch.tensor(conf, device=device)
-        return Proposal(beams=beams, valid=valid, confidence=confidence)
+        return candidates_proposal(ctx.g0, self.W, self.L, [self.chains(history.cpu()) for history in ctx.tokens])
 
 
 def _ranked(column: torch.Tensor) -> tuple[list[int], list[int]]:
