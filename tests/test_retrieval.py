@@ -148,3 +148,10 @@ def test_a_missing_datastore_is_one_line_before_the_target_loads(tmp_path, capsy
     rc = cli.main(["generate", "--drafter", f"lookup+retrieval:{tmp_path / 'nowhere'}", "--prompt", "hi"])
     err = capsys.readouterr().err
     assert rc == 2 and "retrieval:" in err and "does not exist" in err and "Traceback" not in err, err
+
+
+def test_a_shape_recorded_in_the_config_is_the_default(tmp_path, tiny_target):
+    Datastore.from_answers([[3, 4, 5]], tiny_target.vocab_size).save(tmp_path / "ds", {"beam_width": 2,
+                                                                                       "beam_length": 5})
+    assert (lambda d: (d.W, d.L))(build_drafter(f"retrieval:{tmp_path / 'ds'}", tiny_target)) == (2, 5)
+    assert (lambda d: (d.W, d.L))(build_drafter(f"retrieval:{tmp_path / 'ds'}", tiny_target, beam_length=3)) == (2, 3)

@@ -40,12 +40,15 @@ class RetrievalDrafter(Drafter):
 
     @classmethod
     def load(cls, path: str, target, beam_width: int | None = None, beam_length: int | None = None):
-        """The datastore in ``path``, checked against ``target``'s vocabulary."""
+        """The datastore in ``path``, checked against ``target``'s vocabulary; shape: the given
+        one, else ``beam_width`` / ``beam_length`` of its config.json, else 1 x 4."""
         store = Datastore.load(path)
         if store.vocab_size != target.vocab_size:
             raise SpecdraftError(f"the datastore in {path} holds ids of a {store.vocab_size}-token vocabulary, "
                                  f"the target has {target.vocab_size}")
-        return cls(store, beam_width or DEFAULT_BEAM_WIDTH, beam_length or DEFAULT_BEAM_LENGTH)
+        config = store.config or {}  # a shape recorded in the datastore's config.json, else the defaults
+        return cls(store, beam_width or int(config.get("beam_width", DEFAULT_BEAM_WIDTH)),
+                   beam_length or int(config.get("beam_length", DEFAULT_BEAM_LENGTH)))
 
     def max_depth(self) -> int:
         return self.L - 1
