@@ -16,7 +16,7 @@ def add_datastore(subparsers) -> None:
         "datastore", help="build a datastore for retrieval drafting (retrieval:DIR) from the target's answers",
         description="Index the answers in `specdraft distill` response files (the target's own text: what "
                     "retrieval drafts best from) and/or ShareGPT's assistant turns by their n-grams, for "
-                    "`--drafter retrieval:DIR` (best beside others: lookup+redrafter:PATH+retrieval:DIR). "
+                    "`--drafter retrieval:DIR` (best beside prompt lookup: lookup+retrieval:DIR). "
                     "See docs/retrieval.md.")
     p.add_argument("--data", nargs="+", required=True, metavar="FILE.jsonl|sharegpt",
                    help="distill response files, and/or 'sharegpt' for its training split's assistant turns")

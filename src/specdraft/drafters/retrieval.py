@@ -13,9 +13,9 @@ Worked example (W = 1, L = 4): continuations [a b c], [a b d], [a e f], [g h i] 
 g0 a b c (or g0 a b d: ties go to the smaller id) with confidences 3/4, 2/3, 1/2.
 
 Deterministic candidates: under sampling the engine verifies them by recursive rejection,
-which keeps p exact. Where it pays: beside prompt lookup and a trained head
-(``lookup+redrafter:default+retrieval:default``), it drafts where the request's own text has
-no match (docs/retrieval.md).
+which keeps p exact. Where it pays: beside prompt lookup (``lookup+retrieval:PATH``), drafting
+where the request's own text has no match; beside a head trained on the same answers it adds
+τ but not speed (docs/retrieval.md).
 """
 
 from __future__ import annotations
