@@ -44,6 +44,8 @@ def test_a_key_must_fit_63_bits():
         Datastore.from_answers([[1]], vocab_size=1 << 22, max_ngram=3)
     with pytest.raises(SpecdraftError, match="outside"):
         Datastore.from_answers([[16]], vocab_size=16)
+    with pytest.raises(SpecdraftError, match="outside"):
+        Datastore.from_answers([[3, -1, 4]], vocab_size=16)  # not a separator in disguise
 
 
 def test_the_drafter_reads_the_trie_greedily_by_count():

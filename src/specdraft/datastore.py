@@ -72,18 +72,17 @@ class Datastore:
         """From token-id lists (one per answer); ids outside the vocabulary are an error."""
         flat: list[int] = []
         for ids in answers:
+            if any(not 0 <= i < vocab_size for i in ids):  # a -1 would pass for a separator
+                raise SpecdraftError(f"a token id is outside the target's vocabulary of {vocab_size}")
             flat.extend(ids)
             flat.append(SEPARATOR)
-        tokens = torch.tensor(flat, dtype=torch.int64)
-        if tokens.numel() and (tokens[tokens != SEPARATOR] >= vocab_size).any():
-            raise SpecdraftError(f"a token id is outside the target's vocabulary of {vocab_size}")
-        return cls(tokens, vocab_size, **kw)
+        return cls(torch.tensor(flat, dtype=torch.int64), vocab_size, **kw)
 
     def _index(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys sorted, starts of their continuations) of every n-gram inside one answer."""
         T = self.tokens.numel()
         if T < n:
-            return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
+            return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int32)
         windows = self.tokens.unfold(0, n, 1)  # (T - n + 1, n): windows[j] = tokens[j: j + n]
         inside = (windows != SEPARATOR).all(1)
         keys = self._pack(windows[inside])
