@@ -417,7 +417,9 @@ def test_fit_trains_on_the_targets_own_answers_at_a_stated_share(tiny_target_pat
     spans = example_spans(corpus.parts, BLOCK, 0.5)
     n_own = int((spans[0] >= corpus.parts[1][0]).sum())
     assert n_own == len(spans[0]) - n_own
-    assert f"{n_own} of {len(spans[0])} examples per epoch from the target's own answers" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{n_own} of {len(spans[0])} examples per epoch from the target's own answers" in err
+    assert re.search(r"answers-corpus: extracted [1-9]\d* tokens .* tokens/s", err)  # each extraction's rate
     # An example of the second part is a block of the answers corpus's own positions.
     i = len(spans[0]) - 1
     got = CorpusTask(corpus, None, 3, "cpu", spans=spans).micro_batch([i])

@@ -50,7 +50,7 @@ from .common import JsonLog, LoopOptions, Plan, TrainState, cosine_schedule, fin
 from .corpus import Corpus, PositionBatch, corpus_manifest, extract, to_device, to_output_space
 from .fit_config import FitConfig
 from .fit_eval import scheduled_scoring, summarise, write_curve_plot
-from .fit_stages import (Budget, example_spans, heldout_answers, own_answers, say, sigterm_as_interrupt,
+from .fit_stages import (Budget, example_spans, heldout_answers, own_answers, say, say_extracted, sigterm_as_interrupt,
                          with_own_answers)
 from .resume import latest_checkpoint
 
@@ -165,9 +165,7 @@ def build_corpora(config: FitConfig, target, budget: Budget) -> tuple[Corpus, Co
     report = extract(target, train, out / "corpus", corpus_manifest(target, train, config.seq_len, layers),
                      max_tokens=config.tokens, deadline=budget.deadline(config.extract_share),
                      progress=config.progress)
-    if report.tokens:
-        say(f"extracted {report.tokens} tokens ({report.positions} trained positions) in {report.seconds:.0f} s: "
-            f"{report.tokens_per_s:.0f} tokens/s")
+    say_extracted("corpus", report)
     return with_own_answers(config, target, Corpus(out / "corpus")), Corpus(out / "heldout-corpus")
 
 

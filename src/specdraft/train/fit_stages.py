@@ -89,6 +89,13 @@ def target_answers(config, target, path: Path, split: str, limit: int, temperatu
         say(f"{path.name}: {report.summary()}")
 
 
+def say_extracted(folder: str, report) -> None:
+    """One log line for an extraction that did some work (an ``extract`` report)."""
+    if report.tokens:
+        say(f"{folder}: extracted {report.tokens} tokens ({report.positions} trained positions) in "
+            f"{report.seconds:.0f} s: {report.tokens_per_s:.0f} tokens/s")
+
+
 def with_own_answers(config, target, corpus):
     """With ``own_answers``: the target's answers to training prompts (OUT/answers.jsonl,
     stage 1b) extracted into OUT/answers-corpus and joined after ``corpus`` (a ``Corpus``);
@@ -101,8 +108,9 @@ def with_own_answers(config, target, corpus):
     out = Path(config.out)
     answers = load_examples(str(out / "answers.jsonl"), target.tokenizer, seq_len=config.seq_len, K=config.K,
                             eos_ids=target.eos_ids)
-    extract(target, answers, out / "answers-corpus",
-            corpus_manifest(target, answers, config.seq_len, config.feature_layers), progress=config.progress)
+    report = extract(target, answers, out / "answers-corpus",
+                     corpus_manifest(target, answers, config.seq_len, config.feature_layers), progress=config.progress)
+    say_extracted("answers-corpus", report)
     joined = corpus.joined(Corpus(out / "answers-corpus"))
     say(f"training data: {corpus.tokens} tokens of {config.data}, {joined.tokens - corpus.tokens} of the target's "
         f"own answers ({len(answers)} answers)")
