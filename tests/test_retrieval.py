@@ -157,3 +157,36 @@ def test_a_shape_recorded_in_the_config_is_the_default(tmp_path, tiny_target):
                                                                                        "beam_length": 5})
     assert (lambda d: (d.W, d.L))(build_drafter(f"retrieval:{tmp_path / 'ds'}", tiny_target)) == (2, 5)
     assert (lambda d: (d.W, d.L))(build_drafter(f"retrieval:{tmp_path / 'ds'}", tiny_target, beam_length=3)) == (2, 3)
+
+
+def test_the_replayed_walk_is_the_engines_greedy_walk(tiny_target):
+    """scripts/score_lookup.py replays greedy decoding on recorded answers without the
+    target: for token-only drafters its steps are the engine's, step by step (float32)."""
+    import importlib.util
+    from collections import Counter
+    from pathlib import Path
+
+    from specdraft.drafters import NoDrafter
+    from specdraft.drafters.combined import CombinedDrafter
+    from specdraft.drafters.lookup import LookupDrafter
+    from specdraft.engine import SpeculativeEngine
+    from specdraft.sampling import SamplingParams
+
+    path = Path(__file__).parents[1] / "scripts" / "score_lookup.py"
+    spec = importlib.util.spec_from_file_location("score_lookup", path)
+    score_lookup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(score_lookup)
+    prompts = [[1, 5, 7], [1, 9, 3, 3], [1, 12], [1, 4, 4, 8, 2], [1, 6, 6, 6]]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = SpeculativeEngine(tiny_target, NoDrafter()).generate(prompts, params)
+    # The store knows two answers, one of them cut short: some steps match fully, some in part, some not.
+    store = Datastore.from_answers([plain[0].token_ids, plain[1].token_ids[:10]], tiny_target.vocab_size)
+    drafter = CombinedDrafter([LookupDrafter(beam_width=1, beam_length=4), RetrievalDrafter(store, 2, 5)])
+    drafted = SpeculativeEngine(tiny_target, drafter, max_tree_tokens=None).generate(prompts, params)
+    for prompt, result in zip(prompts, drafted):
+        steps = [n for n, _, _ in score_lookup.walk(drafter, prompt, result.token_ids)]
+        # The engine counts its prefill too: a step that gained one token (the answer's first).
+        assert Counter(steps) + Counter({1: 1}) == Counter(result.accepted_hist)
+        assert len(steps) == result.steps - 1
+        assert sum(tree for _, tree, _ in score_lookup.walk(drafter, prompt, result.token_ids)) == result.tree_tokens
+    assert max(n for p, r in zip(prompts, drafted) for n, _, _ in score_lookup.walk(drafter, p, r.token_ids)) > 1
