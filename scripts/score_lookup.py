@@ -68,7 +68,7 @@ def walk(drafter, prompt: list[int], answer: list[int]) -> list[tuple[int, int, 
         ctx = DraftContext(tokens=[ids[: i + 1]], g0=g0, hidden=torch.zeros(1, 1), budget=budget,
                            greedy=torch.tensor([True]))
         proposal = SpeculativeEngine._clip(drafter.propose(ctx), budget)  # as the engine cuts it
-        gained = min(accepted(proposal.beams[0], proposal.valid[0], ids[i + 1: end]) + 1, end - 1 - i)
+        gained = accepted(proposal.beams[0], proposal.valid[0], ids[i + 1: end]) + 1  # <= budget: clipped
         per_step.append((gained, tree_tokens(proposal.beams[0], proposal.valid[0]), i))
         i += gained  # the accepted tokens and the target's own next one
     return per_step
