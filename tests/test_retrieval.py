@@ -183,10 +183,11 @@ def test_the_replayed_walk_is_the_engines_greedy_walk(tiny_target):
     store = Datastore.from_answers([plain[0].token_ids, plain[1].token_ids[:10]], tiny_target.vocab_size)
     drafter = CombinedDrafter([LookupDrafter(beam_width=1, beam_length=4), RetrievalDrafter(store, 2, 5)])
     drafted = SpeculativeEngine(tiny_target, drafter, max_tree_tokens=None).generate(prompts, params)
-    for prompt, result in zip(prompts, drafted):
-        steps = [n for n, _, _ in score_lookup.walk(drafter, prompt, result.token_ids)]
+    walks = [score_lookup.walk(drafter, prompt, result.token_ids) for prompt, result in zip(prompts, drafted)]
+    for walked, result in zip(walks, drafted):
+        steps = [n for n, _, _ in walked]
         # The engine counts its prefill too: a step that gained one token (the answer's first).
         assert Counter(steps) + Counter({1: 1}) == Counter(result.accepted_hist)
         assert len(steps) == result.steps - 1
-        assert sum(tree for _, tree, _ in score_lookup.walk(drafter, prompt, result.token_ids)) == result.tree_tokens
-    assert max(n for p, r in zip(prompts, drafted) for n, _, _ in score_lookup.walk(drafter, p, r.token_ids)) > 1
+        assert sum(tree for _, tree, _ in walked) == result.tree_tokens
+    assert max(n for walked in walks for n, _, _ in walked) > 1
