@@ -19,6 +19,7 @@ import pytest
 
 from specdraft.bench import metrics
 from specdraft.cli import parse_args
+from specdraft.drafters import LookupDrafter
 from specdraft.errors import SpecdraftError
 
 PROMPTS = ["t3 t4 t5 t3 t4", "t7 t8 t9 t7 t8 t9 t7", "t2 t5 t2 t5 t2 t5"]
@@ -158,11 +159,12 @@ def test_resume_measures_only_missing_rows(first_run, tiny_target_path, prompts_
     src, before = first_run
     out = tmp_path / "resumed"
     shutil.copytree(src, out)
+    wider = f"lookup@2x{LookupDrafter.default_shape()[1]}"  # lookup's own L, so W is all that differs
     results = bench(tiny_target_path, prompts_file, out, "--drafters",
-                    f"lookup,hf-ar,hf-lookup,hf-assisted:{tiny_target_path},lookup@2x4",
+                    f"lookup,hf-ar,hf-lookup,hf-assisted:{tiny_target_path},{wider}",
                     "--batch-sizes", "1,2", "--temperatures", "0,1", "--repeats", 2, "--resume")
     old, new = rows_by(before), rows_by(results)
-    assert set(new) - set(old) == {("lookup@2x4", t, b) for t in (0.0, 1.0) for b in (1, 2)}
+    assert set(new) - set(old) == {(wider, t, b) for t in (0.0, 1.0) for b in (1, 2)}
     for key, row in old.items():  # untouched: re-measuring would give other timings
         assert new[key] == row
     assert (out / "tau_vs_width.png").read_bytes().startswith(PNG_MAGIC)  # lookup at widths 1 and 2
