@@ -9,6 +9,10 @@ A head that reads feature layers (``--feature-layers``) needs them in the corpus
 ``--heldout-data FILE.jsonl --corpus-dir DIR`` each head is scored on a held-out corpus
 extracted from that file with its own feature layers (kept in DIR for the next call).
 
+With ``--sampled T`` it also scores chains drawn from each head at temperature T
+(``fit_eval.sampled_acceptance``: per-depth sum_x min(p, q) and a one-chain τ estimate);
+score them on the target's answers sampled at T (``specdraft distill --temperatures T``).
+
 Prints one JSON line per head.
 """
 
@@ -21,7 +25,7 @@ from specdraft.drafters.registry import checkpoint_path
 from specdraft.models import load_target
 from specdraft.heads import MedusaHeads, ReDrafterHead
 from specdraft.train.corpus import Corpus
-from specdraft.train.fit_eval import CorpusEvaluator
+from specdraft.train.fit_eval import CorpusEvaluator, sampled_acceptance
 from specdraft.train.heads import HeadObjective
 
 
@@ -33,6 +37,7 @@ def main() -> None:
     parser.add_argument("--corpus-dir", default="runs/score-corpora", help="where --heldout-data's corpora go")
     parser.add_argument("--target", default="default")
     parser.add_argument("-K", type=int, default=4)
+    parser.add_argument("--sampled", type=float, metavar="T", help="also score chains drawn at temperature T")
     args = parser.parse_args()
     target = load_target(args.target, dtype="auto")
     for spec in args.heads:
@@ -43,7 +48,11 @@ def main() -> None:
         held = Corpus(args.heldout) if args.heldout else heldout_corpus(target, args, layers)
         evaluator = CorpusEvaluator(held, head.draft_vocab, args.K, target.device,
                                     window=getattr(head.config, "context", 0))
-        found = evaluator(HeadObjective(head, args.K))
+        objective = HeadObjective(head, args.K)
+        found = evaluator(objective)
+        if args.sampled:
+            found.update(sampled_acceptance(held, objective, target, head.draft_vocab, args.K, args.sampled,
+                                            window=getattr(head.config, "context", 0)))
         print(json.dumps({"head": spec, **found}), flush=True)
 
 

@@ -18,7 +18,7 @@ from specdraft.data.sharegpt import split_of
 from specdraft.drafters import NoDrafter
 from specdraft.drafters.registry import build_drafter
 from specdraft.heads import ReDrafterHead
-from specdraft.train.corpus import Corpus, corpus_manifest, extract
+from specdraft.train.corpus import Corpus, corpus_manifest, extract, to_output_space
 from specdraft.train.examples import load_examples
 from specdraft.vocab import DraftVocab
 
@@ -262,6 +262,26 @@ def test_fit_end_to_end_then_exact_and_walk_is_engine_tau(tiny_target_path, tiny
     found = CorpusEvaluator(Corpus(out / "heldout-corpus"), head.draft_vocab, 3, tiny_target.device, window=context)(
         HeadObjective(head.float(), 3))
     assert found["eval_tau_w1_l4"] > 1.2  # the check has teeth
+    # Chains drawn from the head: as T -> 0, sum_x min(p, q) -> [argmax q == argmax p], and on
+    # the target's greedy answers argmax p is the text's next token (where its state is stored).
+    from specdraft.train.fit_eval import sampled_acceptance
+    held, objective = Corpus(out / "heldout-corpus"), HeadObjective(head.float(), 3)
+    cold = sampled_acceptance(held, objective, tiny_target, head.draft_vocab, 3, temperature=1e-4, window=context)
+    mb = held.gather(np.arange(len(held)), 3, label="text", window=context, soft=True)
+    valid = (mb.labels != -100) & mb.soft[1]
+    labels = to_output_space(head.draft_vocab, mb.labels)
+    right = torch.zeros_like(valid)
+    with torch.no_grad():
+        for i, logits in objective.depth_logits(mb.hidden, mb.inputs, mb.window, mb.features):
+            right[:, i] = (logits.argmax(-1) == labels[:, i]) & valid[:, i]
+    for i in range(3):
+        assert cold[f"eval_accept_t0.0001_{i}"] == pytest.approx(float(right[:, i].sum() / valid[:, i].sum()), abs=1e-3)
+    streak = right.float().cumprod(1)
+    for L in (2, 3, 4):
+        assert cold[f"eval_tau_t0.0001_l{L}"] == pytest.approx(1 + float(streak[:, :L - 1].sum(1).mean()), abs=1e-3)
+    warm = sampled_acceptance(held, objective, tiny_target, head.draft_vocab, 3, window=context)
+    assert all(0 < warm[f"eval_accept_t1_{i}"] < 1 for i in range(3))
+    assert 1 < warm["eval_tau_t1_l2"] < warm["eval_tau_t1_l3"] < warm["eval_tau_t1_l4"]
     for L in (2, 3, 4):
         drafter = build_drafter(f"redrafter:{final}", tiny_target, beam_width=1, beam_length=L)
         steps = engine_forwards(tiny_target, drafter, records, examples)  # asserts the target's own tokens
@@ -431,6 +451,19 @@ def test_fit_trains_on_the_targets_own_answers_at_a_stated_share(tiny_target_pat
     assert fit(tiny_target_path, data, tmp_path / "b", *own) == 0
     a, b = (load_file(tmp_path / r / "final" / "model.safetensors") for r in "ab")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_own_offset_answers_later_prompts_only(tiny_target, data, tmp_path):
+    """--own-offset N: a round of own answers starts at the Nth training prompt, so a round
+    after an earlier one (--init-from) answers prompts none before it did."""
+    from specdraft.train.fit_config import FitConfig
+    from specdraft.train.fit_stages import own_answers
+
+    config = FitConfig(out=tmp_path, own_answers=2, own_offset=1, heldout_max_new_tokens=4, progress=False,
+                       data=str(data))
+    own_answers(config, tiny_target, tmp_path / "answers.jsonl")
+    records = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert [r["prompt_id"] for r in records] == [c.id for c in iter_conversations(data, "train")][1:3]
 
 
 def test_budget_stops_extraction_and_a_rerun_continues(tiny_target_path, data, answers, tmp_path, capsys):
@@ -664,6 +697,8 @@ def test_on_policy_is_a_draft_model_option(tiny_target_path, data, tmp_path, cap
 
 @pytest.mark.parametrize("argv, message", [
     (["--own-share", "0.3"], "--own-share must be in (0, 1), with --own-answers > 0"),
+    (["--own-offset", "3"], "--own-offset must be >= 0, with --own-answers > 0"),
+    (["--own-answers", "2", "--own-offset", "-1"], "--own-offset must be >= 0"),
     (["--own-answers", "2", "--own-share", "1"], "--own-share must be in (0, 1)"),
     (["--own-answers", "2", "--own-temperatures", "0,x"], "--own-temperatures must be comma-separated numbers"),
 ])

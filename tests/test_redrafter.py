@@ -222,6 +222,42 @@ def test_sampled_chain_draws_from_q_and_keeps_greedy_rows_on_the_argmax(tiny_tar
     assert all_greedy.q is None and all_greedy.beams.shape == (B, beam_width, 4)
 
 
+def test_sampled_chain_has_its_own_length(tiny_target, tmp_path):
+    """A checkpoint's sample_length sets the chain drawn for sampling rows (the beams keep
+    beam_length), and the reach the adaptive policy plans with follows the mode of the step;
+    a beam length given at load time is one shape for both; sample_length 1 is refused."""
+    from specdraft.drafters.base import DraftContext
+
+    head = make_head(tiny_target, beam_width=1, beam_length=3)
+    head.config.sample_length = 5
+    head.save(tmp_path / "ck")
+    assert json.loads((tmp_path / "ck" / CONFIG).read_text())["sample_length"] == 5
+    drafter = ReDrafter.load(tmp_path / "ck", tiny_target)
+    assert (drafter.L, drafter.sample_L) == (3, 5)
+    B, d = 2, tiny_target.model.config.hidden_size
+    ctx = DraftContext(tokens=[torch.tensor([1, 2, 3])] * B, g0=torch.tensor([3, 4]), hidden=torch.randn(B, d),
+                       budget=torch.full((B,), 8), greedy=torch.tensor([False, True]), request_ids=[0, 1],
+                       params=[SamplingParams(temperature=1.0, seed=3), SamplingParams()])
+    drafter.start(ctx)
+    sampled = drafter.propose(ctx)
+    assert sampled.beams.shape == (B, 1, 5) and sampled.q.shape == (B, 4, tiny_target.vocab_size)
+    assert drafter.max_depth(ctx) == 4 and drafter.max_depth() == 4
+    greedy = replace(ctx, greedy=torch.ones(B, dtype=torch.bool))
+    assert drafter.propose(greedy).beams.shape == (B, 1, 3) and drafter.max_depth(greedy) == 2
+    clipped = replace(ctx, budget=torch.tensor([3, 2]))  # no row drafts past its budget
+    assert drafter.propose(clipped).beams.shape == (B, 1, 3)
+    both = ReDrafter.load(tmp_path / "ck", tiny_target, beam_length=4)
+    assert (both.L, both.sample_L) == (4, 4)
+    assert ReDrafter(drafter.head, sample_length=2).sample_L == 2
+    assert ReDrafter(drafter.head, sample_drafts=False).max_depth() == 2  # never samples: the beams' reach
+    config = json.loads((tmp_path / "ck" / CONFIG).read_text())
+    for bad in (1, -1, True, "4"):
+        (tmp_path / "ck" / CONFIG).write_text(json.dumps({**config, "sample_length": bad}))
+        with pytest.raises(SpecdraftError, match="sample_length") as e:
+            ReDrafter.load(tmp_path / "ck", tiny_target)
+        one_line(e)
+
+
 def test_h_is_the_state_that_chose_g0(tiny_target):
     """Alignment of h with g0, exactly: a shared head whose output is LM(h) (P = [I 0], no
     blocks) must draft g0 itself as its best first token, since LM(h) chose g0."""

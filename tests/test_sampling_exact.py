@@ -221,7 +221,9 @@ def test_redrafter_beam_search_sampling_matches_exact_law(target, draft_vocab, s
         vocab = DraftVocab(len(draft_vocab), int(target.vocab_size))
         vocab.set_ids(torch.tensor(draft_vocab))
     head = ReDrafterHead.for_target(target, head="own", draft_vocab=vocab).eval().requires_grad_(False)
-    res, steps = sample_case(target, lambda t: ReDrafter(head, beam_width=3, beam_length=4, sample_drafts=sample_drafts),
+    # The sampled chain is longer than the beams (sample_length), as the shipped head's is.
+    shape = dict(beam_length=2, sample_length=4) if sample_drafts else dict(beam_length=4)
+    res, steps = sample_case(target, lambda t: ReDrafter(head, beam_width=3, sample_drafts=sample_drafts, **shape),
                              SamplingParams(**T1), N_ROWS)
     print(f"redrafter sample_drafts={sample_drafts} T=1 top-p: {res} steps/row={steps:.2f}")
     assert res.p_value > ALPHA, str(res)

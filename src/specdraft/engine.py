@@ -180,7 +180,7 @@ class SpeculativeEngine:
         step_start, width = time.perf_counter(), cache.width  # the policy learns what steps really cost
         weights = finish_weights(self._remaining(batch.rows)) if stats is not None and batch.static else None
         if stats is not None:
-            depth = self.policy.plan(stats, ctx.budget, cache.width, weights, reach=self.drafter.max_depth())
+            depth = self.policy.plan(stats, ctx.budget, cache.width, weights, reach=self.drafter.max_depth(ctx))
             self.trace(self.policy, stats, depth, cache.width)
             if depth == 0:
                 batch.steady = False  # the drafter's next call catches up on this step's token

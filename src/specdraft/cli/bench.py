@@ -132,7 +132,7 @@ def add_bench(subparsers) -> None:
     g.add_argument("--temperatures", type=float_list, default=[0.0], metavar="LIST", help="0 = greedy (default: 0)")
     g.add_argument("--beam-width", type=int, metavar="W", help="candidate beams per step (drafter default if unset)")
     g.add_argument("--beam-length", type=int, metavar="L",
-                   help="tokens per beam, g0 included (drafter default if unset)")
+                   help="tokens per beam, g0 included, and of a head's sampled chain (drafter default if unset)")
     g.add_argument("--gamma", type=int, metavar="G", help="tokens a draft model drafts per step")
     g.add_argument("--adaptive", choices=("on", "off", "refresh"), default="on",
                    help="on: each step drafts only as deep as pays on this machine, or not at all, from a cost model of the "

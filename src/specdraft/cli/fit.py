@@ -156,6 +156,9 @@ def add_own_answer_options(p) -> None:
                    help="heads: the target also answers the first N training prompts (OUT/answers.jsonl), and "
                         "the head trains on those answers beside the data: the text it drafts at inference "
                         "(default: %(default)s)")
+    p.add_argument("--own-offset", type=int, default=0, metavar="N",
+                   help="with --own-answers: answer the training prompts from the Nth on, so that a later "
+                        "round (e.g. with --init-from) answers prompts no earlier round did (default: %(default)s)")
     p.add_argument("--own-temperatures", default="0", metavar="T1,T2,...",
                    help="one own answer per prompt per temperature; 0 is greedy (default: %(default)s)")
     p.add_argument("--own-share", type=float, metavar="F",
@@ -184,7 +187,7 @@ def config_from(args: argparse.Namespace):
                        compile_loss=not args.no_compile_loss, init_from=args.init_from,
                        heldout_data=args.heldout_data, stop_after_steps=args.stop_after_steps,
                        own_answers=args.own_answers, own_temperatures=parse_temperatures(args.own_temperatures, "--own-temperatures"),
-                       own_share=args.own_share)
+                       own_share=args.own_share, own_offset=args.own_offset)
     config.check()
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise SpecdraftError(f"--out {args.out} exists and is not a directory")

@@ -61,7 +61,7 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
                         "target (measured once, a few seconds, cached) and each request's acceptance so far; off: the "
                         "drafter's fixed shape; refresh: re-measure the cost model, then on (default: %(default)s)")
     g.add_argument("--beam-width", type=int, metavar="W", help="candidate beams per step (drafter default if unset)")
-    g.add_argument("--beam-length", type=int, metavar="L", help="tokens per beam, g0 included (drafter default if unset)")
+    g.add_argument("--beam-length", type=int, metavar="L", help="tokens per beam, g0 included, and of a head's sampled chain (drafter default if unset)")
     g.add_argument("--gamma", type=int, metavar="G", help="tokens a draft model drafts per step (draft: only)")
     g.add_argument("--compile-drafter", action="store_true",
                    help="torch.compile a draft model's forward (draft: only; cheaper drafting where the draft is small, "

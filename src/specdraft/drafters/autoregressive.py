@@ -13,7 +13,7 @@ class NoDrafter(Drafter):
     name = "none"
     acceptance_prior = 0.0  # it never drafts: adaptive drafting keeps every step plain
 
-    def max_depth(self) -> int:
+    def max_depth(self, ctx=None) -> int:
         return 0
 
     def propose(self, ctx: DraftContext) -> Proposal:

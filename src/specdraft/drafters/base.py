@@ -113,9 +113,11 @@ class Drafter(ABC):
         decoding's), so only then must the adaptive policy keep its shape fixed."""
         return False
 
-    def max_depth(self) -> int | None:
+    def max_depth(self, ctx: DraftContext | None = None) -> int | None:
         """The deepest drafted token (g0 not counted) one call can propose, whatever the
-        budget; None: as deep as the budget allows. Adaptive drafting plans and times calls
+        budget; None: as deep as the budget allows. ``ctx``: the step's context, for a
+        drafter whose reach depends on it (a head's sampled chain may be deeper than its
+        beams); None: the deepest over any step. Adaptive drafting plans and times calls
         by depth, so it must not price depths a drafter cannot reach: a 1 x 3 head was
         planned 5 and 11 deep on a 256-token answer, and the same 2-deep call was timed
         under a dozen depths (docs/engine.md, "A drafter's reach")."""

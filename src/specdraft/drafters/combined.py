@@ -60,8 +60,11 @@ class CombinedDrafter(Drafter):
     def samples_drafts(self, ctx: DraftContext) -> bool:
         return self._sampler(ctx) is not None
 
-    def max_depth(self) -> int | None:
-        depths = [p.max_depth() for p in self.parts]
+    def max_depth(self, ctx: DraftContext | None = None) -> int | None:
+        sampler = None if ctx is None else self._sampler(ctx)
+        if sampler is not None:  # it proposes alone this step
+            return sampler.max_depth(ctx)
+        depths = [p.max_depth(ctx) for p in self.parts]
         return None if None in depths else max(depths)
 
     def fit_shape(self, cost) -> None:

@@ -119,7 +119,7 @@ class DraftModelDrafter(Drafter):
                       for p in ctx.params] if ctx.params else [None] * B
         return cache, ids, generators
 
-    def max_depth(self) -> int:
+    def max_depth(self, ctx=None) -> int:
         return self.gamma
 
     def may_sample_drafts(self) -> bool:

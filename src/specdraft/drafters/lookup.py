@@ -31,7 +31,7 @@ class LookupDrafter(Drafter):
         self.W, self.L = beam_width, beam_length
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def max_depth(self) -> int:
+    def max_depth(self, ctx=None) -> int:
         return self.L - 1
 
     def continuations(self, history: torch.Tensor) -> list[torch.Tensor]:

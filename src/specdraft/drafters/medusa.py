@@ -34,7 +34,7 @@ class MedusaDrafter(Drafter):
     def load(cls, path, target, beam_width: int | None = None, beam_length: int | None = None) -> "MedusaDrafter":
         return cls(MedusaHeads.load(path, target), beam_width, beam_length)
 
-    def max_depth(self) -> int:
+    def max_depth(self, ctx=None) -> int:
         return self.L - 1
 
     @torch.no_grad()

@@ -11,9 +11,11 @@ Sampled chains (``sample_drafts``, at any W): for rows that sample, a beam is a 
 proposal, accepted with probability p(x) for its token x, where a token *drawn* from the
 head's own distribution q (at the row's temperature / top-k / top-p) is accepted with
 probability sum_x min(p(x), q(x)) (speculative sampling; the engine's chain acceptance,
-exact for any q). So whenever a batch holds a sampling row, every row gets one chain of L
-tokens: sampling rows walk the recurrence drawing y_j ~ q_j and report q; greedy rows take
-the argmax, as a beam search of one would. A batch of greedy rows only gets the W beams
+exact for any q). So whenever a batch holds a sampling row, every row gets one chain of
+``sample_L`` tokens (the checkpoint's sample_length, else L: a drawn token's acceptance
+differs from a beam's, and so does the depth that pays; the shipped head draws 4 where its
+beams hold 3): sampling rows walk the recurrence drawing y_j ~ q_j and report q; greedy rows
+take the argmax, as a beam search of one would. A batch of greedy rows only gets the W beams
 (W = 2 beams of 3 tokens against one chain: greedy τ 1.83 against 1.64 on MT-Bench, bf16;
 at T = 1 2 x 3 beams gave τ 1.33, a sampled chain of 3 1.51). The only state kept between
 steps is each sampling request's generator.
@@ -63,10 +65,14 @@ class ReDrafter(Drafter):
     acceptance_prior = 0.5
 
     def __init__(self, head: ReDrafterHead, beam_width: int | None = None, beam_length: int | None = None,
-                 sample_drafts: bool = True):
+                 sample_drafts: bool = True, sample_length: int | None = None):
         self.head = head
         fastpath.small_batch_linear(head)  # its few-row linears, like the target's (CPU)
         self.W, self.L = beam_shape(head.config, beam_width, beam_length)
+        # The sampled chain's L: given, else a given beam length (one shape for both), else
+        # the checkpoint's sample_length (0: its beam length).
+        self.sample_L = sample_length or (self.L if beam_length is not None else head.config.sample_length or self.L)
+        check_shapes(1, self.sample_L)
         self.width_given = beam_width is not None  # fit_shape keeps a width the user chose
         self.widened = False  # fit_shape made W = 2: then one beam on steps above WIDE_MAX_ROWS rows
         self.context_window = head.config.context
@@ -77,7 +83,8 @@ class ReDrafter(Drafter):
     @classmethod
     def load(cls, path, target, beam_width: int | None = None, beam_length: int | None = None) -> "ReDrafter":
         """A drafter from a checkpoint folder; W and L default to the checkpoint's
-        beam_width / beam_length (W=4, L=5 unless it records others)."""
+        beam_width / beam_length (W=4, L=5 unless it records others), the sampled chain's
+        L to its sample_length (else L)."""
         return cls(ReDrafterHead.load(path, target), beam_width, beam_length)
 
     def quantize(self) -> bool:
@@ -114,19 +121,21 @@ class ReDrafter(Drafter):
         return 1 if self.widened and rows > WIDE_MAX_ROWS else self.W
 
     def may_sample_drafts(self) -> bool:
-        return self.sample_drafts and self.L > 1
+        return self.sample_drafts and self.sample_L > 1
 
     def samples_drafts(self, ctx: DraftContext) -> bool:
         return self.may_sample_drafts() and int(ctx.budget.max()) > 1 and not bool(ctx.greedy.all())
 
-    def max_depth(self) -> int:
-        return self.L - 1
+    def max_depth(self, ctx: DraftContext | None = None) -> int:
+        if ctx is None:
+            return max(self.L, self.sample_L if self.may_sample_drafts() else 1) - 1
+        return (self.sample_L if self.samples_drafts(ctx) else self.L) - 1
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> Proposal:
-        # No row may use more than its budget: drafting deeper would only be clipped away.
-        L = min(self.L, int(ctx.budget.max()))
         if self.samples_drafts(ctx):
+            # No row may use more than its budget: drafting deeper would only be clipped away.
+            L = min(self.sample_L, int(ctx.budget.max()))
             with fastpath.active():
                 return self.sampled_chain(self.root_states(ctx), ctx, L)
         return self.propose_deterministic(ctx)

@@ -50,7 +50,7 @@ class RetrievalDrafter(Drafter):
         return cls(store, beam_width or int(config.get("beam_width", DEFAULT_BEAM_WIDTH)),
                    beam_length or int(config.get("beam_length", DEFAULT_BEAM_LENGTH)))
 
-    def max_depth(self) -> int:
+    def max_depth(self, ctx=None) -> int:
         return self.L - 1
 
     def chains(self, history: torch.Tensor) -> list[tuple[list[int], list[float]]]:

@@ -96,7 +96,10 @@ class ReDrafterConfig(HeadConfig):
     (``heads.context``, beyond the paper); 0 is the paper's head. context_heads: its
     attention heads (must divide hidden_size). feature_layers: target layers (0-based)
     whose outputs the head fuses with h (beyond the paper, as EAGLE-3); [] is the paper's.
-    hidden_in_recurrence: the recurrence also reads h at every step (beyond the paper)."""
+    hidden_in_recurrence: the recurrence also reads h at every step (beyond the paper).
+    sample_length: L of the chain drawn from the head for rows that sample (g0 counted);
+    0: beam_length. A drawn token is accepted with probability sum_x min(p, q) rather than
+    the beams' top-1 rate, so the best depth for sampling rows need not be the beams'."""
 
     KIND = "redrafter"
 
@@ -105,9 +108,14 @@ class ReDrafterConfig(HeadConfig):
     context_heads: int = 1
     feature_layers: list = field(default_factory=list)
     hidden_in_recurrence: bool = False
+    sample_length: int = 0
 
     def validate(self) -> None:
         super().validate()
+        value = self.sample_length
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value == 1:
+            raise SpecdraftError(f"redrafter config: sample_length must be 0 (beam_length) or an integer >= 2, "
+                                 f"got {value!r}")
         if not isinstance(self.hidden_in_recurrence, bool):
             raise SpecdraftError(f"redrafter config: hidden_in_recurrence must be true or false, "
                                  f"got {self.hidden_in_recurrence!r}")

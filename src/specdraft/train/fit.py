@@ -312,7 +312,8 @@ def signature(config: FitConfig) -> dict:
              **({"hidden_in_recurrence": True} if config.hidden_in_recurrence else {}),
              **({"labels": config.labels} if config.labels != "target" else {}),
              **({"own_answers": config.own_answers, "own_temperatures": config.own_temperatures,
-                 "own_share": config.own_share} if config.own_answers else {})}
+                 "own_share": config.own_share} if config.own_answers else {}),
+             **({"own_offset": config.own_offset} if config.own_offset else {})}
     return {**{k: getattr(config, k) for k in keep}, **extra}
 
 

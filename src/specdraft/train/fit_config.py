@@ -35,6 +35,7 @@ class FitConfig:
     heldout_data: str | None = None  # a distill file of the target's answers, instead of stage 1
     heldout_max_new_tokens: int = 256  # also the length of the own answers
     own_answers: int = 0  # the target answers this many training prompts (stage 1b), trained beside the data
+    own_offset: int = 0  # ...from the Nth training prompt on (a later round answers prompts no earlier one did)
     own_temperatures: list[float] = field(default_factory=lambda: [0.0])  # one answer per temperature (0: greedy)
     own_share: float | None = None  # the own answers' share of the examples per epoch (None: as extracted)
     draft_vocab: int = 8192
@@ -118,6 +119,8 @@ class FitConfig:
         if self.own_answers < 0 or (self.own_answers and self.drafter == "draft"):
             raise SpecdraftError(f"--own-answers must be >= 0 and is for heads, got {self.own_answers} "
                                  f"with --drafter {self.drafter}")
+        if self.own_offset < 0 or (self.own_offset and not self.own_answers):
+            raise SpecdraftError(f"--own-offset must be >= 0, with --own-answers > 0, got {self.own_offset}")
         if self.own_share is not None and not (0 < self.own_share < 1 and self.own_answers):
             raise SpecdraftError(f"--own-share must be in (0, 1), with --own-answers > 0, got {self.own_share}")
         if not self.own_temperatures or any(not t >= 0 for t in self.own_temperatures):

@@ -71,6 +71,53 @@ class CorpusEvaluator:
         return out
 
 
+@torch.no_grad()
+def sampled_acceptance(corpus: Corpus, model, target, vocab: DraftVocab | None, K: int, temperature: float = 1.0,
+                       batch: int = 512, window: int = 0) -> dict:
+    """How often a chain *drawn* from the head would be accepted, teacher forced on a
+    held-out corpus (best extracted from the target's answers sampled at ``temperature``:
+    the text an accepted chain follows).
+
+    At each answer position t and depth i the head's q_i (its draft logits / T, softmax
+    over its output vocabulary, zero outside) is accepted by speculative sampling with
+    probability a_i(t) = sum_x min(p_i(x), q_i(x)), p_i the target's distribution at that
+    slot (softmax of its logits / T over the whole vocabulary, from the stored state
+    h_{t+1+i}). Returns the mean a_i per depth (``eval_accept_t{T}_{i}``) and a one-chain
+    τ estimate per length L, 1 + mean_t sum_{k<L} prod_{i<k} a_i(t)
+    (``eval_tau_t{T}_l{L}``; a depth without a label, past the answer's end, counts 0).
+    model: a ``train.heads.HeadObjective``; target: the ``models.Target``."""
+    ids = None if vocab is None else vocab.ids().to(target.device)
+    total, count, chains, rows = np.zeros(K), np.zeros(K), np.zeros(K), 0
+    was = model.training
+    model.eval()
+    try:
+        for start in range(0, len(corpus), batch):
+            mb = corpus.gather(np.arange(start, min(start + batch, len(corpus))), K, label="text", window=window,
+                               soft=True)
+            states, present = mb.soft
+            valid = (mb.labels != IGNORE) & present  # a label, and the state whose logits give p there
+            accept = torch.zeros(valid.shape)
+            features = None if mb.features is None else mb.features.to(target.device)
+            for i, logits in model.depth_logits(mb.hidden.to(target.device), mb.inputs.to(target.device),
+                                                to_device(mb.window, target.device), features):
+                q = (logits.float() / temperature).softmax(-1)
+                p = (target.logits(states[:, i].to(target.device, target.dtype)).float() / temperature).softmax(-1)
+                p = p if ids is None else p[:, ids]  # q is zero outside the draft vocabulary
+                accept[:, i] = torch.minimum(p, q).sum(-1).cpu()
+            accept = torch.where(valid, accept, torch.zeros_like(accept))
+            total += accept.sum(0).numpy()
+            count += valid.sum(0).numpy()
+            chains += accept.cumprod(1).sum(0).numpy()  # sum over rows of prod_{i<=k} a_i, per k
+            rows += len(accept)
+    finally:
+        model.train(was)
+    T = f"{temperature:g}"
+    out = {f"eval_accept_t{T}_{i}": round(float(total[i] / max(count[i], 1)), 4) for i in range(K)}
+    for L in range(2, K + 2):
+        out[f"eval_tau_t{T}_l{L}"] = round(1 + float(chains[:L - 1].sum() / max(rows, 1)), 4)
+    return out
+
+
 def answer_spans(answer: np.ndarray) -> list[tuple[int, int]]:
     """(first, last) of each maximal run of True."""
     edges = np.diff(np.concatenate([[0], answer.astype(np.int8), [0]]))

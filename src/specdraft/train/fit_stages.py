@@ -48,10 +48,12 @@ def heldout_answers(config, target, path: Path) -> None:
 
 
 def own_answers(config, target, path: Path) -> None:
-    """Stage 1b (``own_answers`` > 0): the target's answers to the first ``own_answers``
-    prompts of the training split, one per temperature of ``own_temperatures`` (greedy: 0)
-    — the text it will draft at inference, beside ShareGPT's (resumable distill file)."""
-    target_answers(config, target, path, "train", config.own_answers, config.own_temperatures, ANSWER_BATCH)
+    """Stage 1b (``own_answers`` > 0): the target's answers to ``own_answers`` prompts of
+    the training split from its ``own_offset``-th on, one per temperature of
+    ``own_temperatures`` (greedy: 0) — the text it will draft at inference, beside
+    ShareGPT's (resumable distill file)."""
+    target_answers(config, target, path, "train", config.own_answers, config.own_temperatures, ANSWER_BATCH,
+                   offset=config.own_offset)
     answers_datastore(target, path, path.parent / "datastore")
 
 
@@ -71,16 +73,17 @@ def answers_datastore(target, answers: Path, folder: Path) -> None:
 
 
 def target_answers(config, target, path: Path, split: str, limit: int, temperatures: list[float],
-                   batch_size: int) -> None:
-    """The target's answers (``heldout_max_new_tokens`` at most) to the first ``limit``
-    first-turn prompts of a ShareGPT ``split``, appended to ``path`` (``specdraft distill``'s
-    format; resumes where it stopped)."""
+                   batch_size: int, offset: int = 0) -> None:
+    """The target's answers (``heldout_max_new_tokens`` at most) to ``limit`` first-turn
+    prompts of a ShareGPT ``split``, from its ``offset``-th on, appended to ``path``
+    (``specdraft distill``'s format; resumes where it stopped)."""
     from ..data.sharegpt import first_turn, load_conversations
     from ..distill import DistillReport, distill_responses, make_prompts
     from ..drafters import NoDrafter
     from ..engine import SpeculativeEngine
 
-    convs, _ = load_conversations(None if config.data == "sharegpt" else config.data, split, limit)
+    convs, _ = load_conversations(None if config.data == "sharegpt" else config.data, split, offset + limit)
+    convs = convs[offset:]
     prompts = make_prompts(target.tokenizer, [(c.id, first_turn(c)) for c in convs], 1024, DistillReport())
     engine = SpeculativeEngine(target, NoDrafter())
     report = distill_responses(engine, prompts, temperatures, path, max_new_tokens=config.heldout_max_new_tokens,
