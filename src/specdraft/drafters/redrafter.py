@@ -153,7 +153,12 @@ class ReDrafter(Drafter):
         """One beam of L tokens per row (B, 1, L), g0 first: sampling rows draw y_j ~ q_j,
         greedy rows take argmax q_j. q (B, L - 1, V) float32 is each depth's distribution
         over the target's vocabulary (zero outside a draft vocabulary; a point mass on the
-        argmax for greedy rows, which are verified greedily and never read it)."""
+        argmax for greedy rows, which are verified greedily and never read it).
+
+        Each depth works over the head's N outputs (softmax, top-k / top-p, the draw) and
+        q is widened to V once at the end: the same distribution as one over V with -inf
+        outside (draft ids are in target-id order, so even the inverse-CDF draw visits the
+        tokens in the same order), at a sixth of the work per depth for N = 8192 of 49152."""
         head, vocab, B = self.head, self.head.draft_vocab, hidden.shape[0]
         rows, greedy = (~ctx.greedy).nonzero().flatten(), ctx.greedy.nonzero().flatten()
         row_knobs = knobs([ctx.params[b] for b in rows.tolist()], hidden.device)
@@ -161,29 +166,40 @@ class ReDrafter(Drafter):
         h = hidden[:, None, :]
         bias = head.recurrence_bias(h)
         state = head.step(head.initial_state((B, 1), device=hidden.device), ctx.g0[:, None], bias)
-        tokens, qs, confidence = [ctx.g0], [], [torch.ones(B, device=hidden.device)]
+        tokens, q_rows, confidence = [ctx.g0], [], [torch.ones(B, device=hidden.device)]
         # A row draws only the tokens its own budget keeps, so its stream never depends on
         # how deep the other rows of the batch let the chain go.
         budget = ctx.budget[rows].tolist()
         for j in range(L - 1):
-            logits = head.draft_logits(h, state)[:, 0]  # (B, N) float32
-            logits = logits if vocab is None else vocab.scatter(logits)  # (B, V), -inf outside
-            token = logits.argmax(dim=-1)
-            q = torch.nn.functional.one_hot(token, logits.shape[-1]).float()
-            q_rows = target_probs(logits[rows], *row_knobs)
+            logits = head.draft_logits(h, state)[:, 0]  # (B, N) float32 over the head's outputs
+            choice = logits.argmax(dim=-1)  # (B,) output ids
+            probs = target_probs(logits[rows], *row_knobs)  # (R, N) the sampling rows' q_j
             kept = [i for i, b in enumerate(budget) if b > j + 1]
             if kept:
-                token[rows[kept]] = sample(q_rows[kept], [generators[i] for i in kept])
-            q[rows] = q_rows
+                choice[rows[kept]] = sample(probs[kept], [generators[i] for i in kept])
             conf = torch.ones(B, device=hidden.device)  # q of each drawn / chosen token
-            conf[rows] = q_rows.gather(1, token[rows, None])[:, 0]
+            conf[rows] = probs.gather(1, choice[rows, None])[:, 0]
             if len(greedy):  # a softmax only for the rows that need it, not the whole batch
-                conf[greedy] = logits[greedy].softmax(dim=-1).gather(1, token[greedy, None])[:, 0]
-            tokens.append(token), qs.append(q), confidence.append(conf)
+                conf[greedy] = logits[greedy].softmax(dim=-1).gather(1, choice[greedy, None])[:, 0]
+            token = choice if vocab is None else vocab.to_target(choice)
+            tokens.append(token), q_rows.append(probs), confidence.append(conf)
             state = head.step(state, token[:, None], bias)
         beams = torch.stack(tokens, dim=1)[:, None, :]
-        return Proposal(beams=beams, valid=torch.ones_like(beams, dtype=torch.bool), q=torch.stack(qs, dim=1),
+        return Proposal(beams=beams, valid=torch.ones_like(beams, dtype=torch.bool),
+                        q=self.chain_q(beams[:, 0, 1:], rows, torch.stack(q_rows, dim=1)),
                         confidence=torch.stack(confidence, dim=1)[:, None, :])
+
+    def chain_q(self, drafted: torch.Tensor, rows: torch.Tensor, q_rows: torch.Tensor) -> torch.Tensor:
+        """(B, L - 1, V) float32 from the sampling rows' q over the head's outputs
+        ``q_rows`` (R, L - 1, N): those rows' q widened (zero outside a draft vocabulary),
+        a point mass on the drafted token (``drafted`` (B, L - 1), target ids) elsewhere."""
+        V = int(self.head.config.vocab_size)
+        q = torch.nn.functional.one_hot(drafted, V).float()
+        if len(rows):
+            vocab = self.head.draft_vocab
+            q[rows] = q_rows if vocab is None else q_rows.new_zeros(*q_rows.shape[:2], V).index_copy_(
+                2, vocab.ids(), q_rows)
+        return q
 
     def row_generators(self, ctx: DraftContext, rows: list[int]) -> list[torch.Generator]:
         """The generators of sampling rows ``rows`` (batch indices), one per request, made at
