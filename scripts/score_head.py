@@ -11,7 +11,8 @@ extracted from that file with its own feature layers (kept in DIR for the next c
 
 With ``--sampled T`` it also scores chains drawn from each head at temperature T
 (``fit_eval.sampled_acceptance``: per-depth sum_x min(p, q) and a one-chain τ estimate);
-score them on the target's answers sampled at T (``specdraft distill --temperatures T``).
+score them on the target's answers sampled at T (``specdraft distill --temperatures T``);
+``--chains C`` adds the acceptance of one of 2..C independent draws at each depth.
 
 Prints one JSON line per head.
 """
@@ -38,6 +39,8 @@ def main() -> None:
     parser.add_argument("--target", default="default")
     parser.add_argument("-K", type=int, default=4)
     parser.add_argument("--sampled", type=float, metavar="T", help="also score chains drawn at temperature T")
+    parser.add_argument("--chains", type=int, default=1, metavar="C",
+                        help="with --sampled: also the acceptance of one of 2..C independent draws per depth")
     args = parser.parse_args()
     target = load_target(args.target, dtype="auto")
     for spec in args.heads:
@@ -52,7 +55,7 @@ def main() -> None:
         found = evaluator(objective)
         if args.sampled:
             found.update(sampled_acceptance(held, objective, target, head.draft_vocab, args.K, args.sampled,
-                                            window=getattr(head.config, "context", 0)))
+                                            window=getattr(head.config, "context", 0), chains=args.chains))
         print(json.dumps({"head": spec, **found}), flush=True)
 
 

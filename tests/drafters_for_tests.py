@@ -52,24 +52,27 @@ class RandomBeamsDrafter(Drafter):
 
 
 class SampledChainDrafter(Drafter):
-    """One chain of L-1 drafted tokens sampled from an arbitrary (random, seeded) q.
+    """``chains`` chains of L-1 drafted tokens each, sampled from an arbitrary (random,
+    seeded) q, drawn afresh for every chain and depth (so chains that share a prefix need
+    not share q: the multi-chain rule must be exact for independent drafts of any laws).
 
     q is unrelated to the target, so many drafts are rejected; exactness must not depend
-    on q being good. Reports q so the engine uses standard speculative sampling.
+    on q being good. Reports q so the engine uses speculative sampling.
     """
 
     name = "sampled-chain"
 
-    def __init__(self, vocab_size: int, beam_length: int = 4, seed: int = 0, sharpness: float = 2.0):
-        self.V, self.L = vocab_size, beam_length
+    def __init__(self, vocab_size: int, beam_length: int = 4, seed: int = 0, sharpness: float = 2.0,
+                 chains: int = 1):
+        self.V, self.L, self.C = vocab_size, beam_length, chains
         self.gen = torch.Generator().manual_seed(seed)
         self.sharpness = sharpness
 
     def propose(self, ctx: DraftContext) -> Proposal:
-        B, D = len(ctx.tokens), self.L - 1
-        q = (torch.randn(B, D, self.V, generator=self.gen) * self.sharpness).softmax(-1)
-        drafts = torch.multinomial(q.view(-1, self.V), 1, generator=self.gen).view(B, D)
-        beams = torch.cat([ctx.g0.cpu()[:, None], drafts], dim=1)[:, None, :]
+        B, C, D = len(ctx.tokens), self.C, self.L - 1
+        q = (torch.randn(B, C, D, self.V, generator=self.gen) * self.sharpness).softmax(-1)
+        drafts = torch.multinomial(q.view(-1, self.V), 1, generator=self.gen).view(B, C, D)
+        beams = torch.cat([ctx.g0.cpu()[:, None, None].expand(B, C, 1), drafts], dim=2)
         valid = torch.ones_like(beams, dtype=torch.bool)
         dev = ctx.g0.device
         return Proposal(beams=beams.to(dev), valid=valid.to(dev), q=q.to(dev))

@@ -1025,3 +1025,28 @@ def test_a_plan_prices_the_plain_steps_of_calls_that_draft_nothing():
     assert AdaptivePolicy(curve).plan(sometimes, budget, 0) == 1
     assert AdaptivePolicy(curve).plan(always, budget, 0) == 0
     assert AdaptivePolicy(curve).seconds(4, 0, offered=0.5)(1) == pytest.approx((curve(8) + curve(4)) / 2)
+
+
+def test_sampled_chains_are_cut_to_one_depth_whatever_they_drew():
+    """W sampled chains (q set) are cut to the same depth in every chain, and the depth
+    does not depend on the drawn tokens (chains that share a prefix, or not): a draw kept
+    for its value would no longer be a draw from q. Seeded rows verify them whole."""
+    g = torch.Generator().manual_seed(1)
+    for case in range(60):
+        B, W, L = 2, int(torch.randint(2, 4, (1,), generator=g)), int(torch.randint(3, 7, (1,), generator=g))
+        apart = torch.randint(0, 50, (B, W, L), generator=g)
+        same = apart[:, :1].repeat(1, W, 1)  # every chain drew the same tokens
+        valid = torch.ones(B, W, L, dtype=torch.bool)
+        q = torch.full((B, W, L - 1, 50), 1 / 50)
+        stats = [stats_with(torch.rand(8, generator=g).tolist()) for _ in range(B)]
+        policy = AdaptivePolicy([LINEAR, FLAT4, STEEP][case % 3])
+        use_conf = torch.zeros(B, dtype=torch.bool)
+        cuts = [policy.choose(Proposal(b, valid, q=q, confidence=torch.rand(B, W, L, generator=g)), stats, use_conf,
+                              0, 0.01, False) for b in (apart, same)]
+        assert torch.equal(cuts[0], cuts[1]), case
+        depth = cuts[0].sum(dim=2)
+        assert (depth == depth[:, :1]).all(), case  # one depth for all of a row's chains
+        assert cuts[0][:, :, 0].all()
+    stats[0].fixed = True
+    whole = policy.choose(Proposal(apart, valid, q=q), stats, use_conf, 0, 10.0, False)
+    assert whole[0].all()

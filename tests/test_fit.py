@@ -279,8 +279,10 @@ def test_fit_end_to_end_then_exact_and_walk_is_engine_tau(tiny_target_path, tiny
     streak = right.float().cumprod(1)
     for L in (2, 3, 4):
         assert cold[f"eval_tau_t0.0001_l{L}"] == pytest.approx(1 + float(streak[:, :L - 1].sum(1).mean()), abs=1e-3)
-    warm = sampled_acceptance(held, objective, tiny_target, head.draft_vocab, 3, window=context)
+    warm = sampled_acceptance(held, objective, tiny_target, head.draft_vocab, 3, window=context, chains=3)
     assert all(0 < warm[f"eval_accept_t1_{i}"] < 1 for i in range(3))
+    for i in range(3):  # a second and third independent draw only add, never past 1
+        assert warm[f"eval_accept_t1_{i}"] < warm[f"eval_accept_t1_c2_{i}"] < warm[f"eval_accept_t1_c3_{i}"] <= 1
     assert 1 < warm["eval_tau_t1_l2"] < warm["eval_tau_t1_l3"] < warm["eval_tau_t1_l4"]
     for L in (2, 3, 4):
         drafter = build_drafter(f"redrafter:{final}", tiny_target, beam_width=1, beam_length=L)

@@ -207,10 +207,10 @@ def test_sampled_chain_draws_from_q_and_keeps_greedy_rows_on_the_argmax(tiny_tar
                        request_ids=[0, 1, 2], params=params)
     drafter.start(ctx)
     first = drafter.propose(ctx)
-    assert first.beams.shape == (B, 1, 4) and first.q.shape == (B, 3, tiny_target.vocab_size)
-    assert torch.allclose(first.q.sum(-1), torch.ones(B, 3))
-    drafted = first.beams[:, 0, 1:]
-    assert (first.q.gather(2, drafted[..., None]) > 0).all()  # every drawn token has q > 0
+    assert first.beams.shape == (B, 1, 4) and first.q.shape == (B, 1, 3, tiny_target.vocab_size)
+    assert torch.allclose(first.q.sum(-1), torch.ones(B, 1, 3))
+    drafted = first.beams[:, :, 1:]
+    assert (first.q.gather(3, drafted[..., None]) > 0).all()  # every drawn token has q > 0
     beams = ReDrafter(drafter.head, beam_width=1, beam_length=4).propose(replace(ctx, greedy=torch.ones(B, dtype=torch.bool)))
     assert torch.equal(first.beams[1], beams.beams[1])  # the greedy row: the argmax chain
     drafter.start(ctx)
@@ -240,7 +240,7 @@ def test_sampled_chain_has_its_own_length(tiny_target, tmp_path):
                        params=[SamplingParams(temperature=1.0, seed=3), SamplingParams()])
     drafter.start(ctx)
     sampled = drafter.propose(ctx)
-    assert sampled.beams.shape == (B, 1, 5) and sampled.q.shape == (B, 4, tiny_target.vocab_size)
+    assert sampled.beams.shape == (B, 1, 5) and sampled.q.shape == (B, 1, 4, tiny_target.vocab_size)
     assert drafter.max_depth(ctx) == 4 and drafter.max_depth() == 4
     greedy = replace(ctx, greedy=torch.ones(B, dtype=torch.bool))
     assert drafter.propose(greedy).beams.shape == (B, 1, 3) and drafter.max_depth(greedy) == 2
@@ -502,3 +502,51 @@ def test_fit_shape_widens_a_default_chain_only_where_the_second_beam_is_nearly_f
     SpeculativeEngine(tiny_target, fixed)
     assert fixed.W == 1  # fixed shapes stay as they are
     NoDrafter().fit_shape(flat)  # the default: nothing
+
+
+def test_sampled_chains_are_independent_walks(tiny_target, tmp_path):
+    """sample_chains C: a sampling row draws C chains, each with the q of its own prefix
+    (two chains that drew the same first token have the same q at depth 2); a greedy row
+    keeps only its argmax chain; sample_branch_length cuts the chains after the first (the
+    draws before the cut unchanged); the config's values round-trip, bad ones are refused."""
+    from specdraft.drafters.base import DraftContext
+
+    head = make_head(tiny_target, beam_width=1, beam_length=4)
+    head.config.sample_chains = 3
+    head.save(tmp_path / "ck")
+    drafter = ReDrafter.load(tmp_path / "ck", tiny_target)
+    assert drafter.sample_C == 3
+    B, d = 2, tiny_target.model.config.hidden_size
+    torch.manual_seed(2)
+    ctx = DraftContext(tokens=[torch.tensor([1, 2, 3])] * B, g0=torch.tensor([3, 4]), hidden=torch.randn(B, d),
+                       budget=torch.full((B,), 8), greedy=torch.tensor([False, True]), request_ids=[0, 1],
+                       params=[SamplingParams(temperature=1.5, seed=3), SamplingParams()])
+    drafter.start(ctx)
+    many = drafter.propose(ctx)
+    V = tiny_target.vocab_size
+    assert many.beams.shape == (B, 3, 4) and many.q.shape == (B, 3, 3, V)
+    assert many.valid[0].all() and many.valid[1, 0].all() and not many.valid[1, 1:, 1:].any()
+    assert torch.allclose(many.q[0].sum(-1), torch.ones(3, 3))
+    q = many.q[0]
+    assert torch.allclose(q[0, 0], q[1, 0]) and torch.allclose(q[0, 0], q[2, 0])  # one root, one q
+    for a in range(3):
+        for b in range(3):
+            if many.beams[0, a, 1] == many.beams[0, b, 1]:
+                assert torch.allclose(q[a, 1], q[b, 1])
+    one = ReDrafter(head, sample_chains=1)
+    one.start(ctx)
+    single = one.propose(ctx)
+    assert single.beams.shape == (B, 1, 4)
+    assert torch.equal(single.beams[1, 0], many.beams[1, 0])  # the greedy row's argmax chain
+    head.config.sample_branch_length = 2  # the chains after the first: one drafted token
+    short = ReDrafter(head)
+    short.start(ctx)
+    branched = short.propose(ctx)
+    assert branched.valid[0, 0].all() and branched.valid[0, 1:, :2].all() and not branched.valid[0, 1:, 2:].any()
+    assert torch.equal(branched.beams[0, :, :2], many.beams[0, :, :2])  # the same first draws
+    head.config.sample_chains = 0
+    with pytest.raises(SpecdraftError, match="sample_chains"):
+        head.config.validate()
+    head.config.sample_chains, head.config.sample_branch_length = 2, 1
+    with pytest.raises(SpecdraftError, match="sample_branch_length"):
+        head.config.validate()

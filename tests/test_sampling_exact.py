@@ -8,7 +8,7 @@ temperature -> top-k -> top-p processing (``specdraft.sampling.target_probs``).
 
 Statistic: a G-test (likelihood ratio, chi-square tail from torch.special.gammaincc);
 outcomes with expected count < 5 are pooled into one bin, and an outcome of exact
-probability 0 fails outright. Threshold: fail when p < ALPHA = 1e-3. With 14 exactness
+probability 0 fails outright. Threshold: fail when p < ALPHA = 1e-3. With 20 exactness
 cases below, an exact engine would fail some case with probability about 1.4% for a
 random choice of seeds; the seeds are fixed, so a pass is reproducible (no flakiness) and
 a failure is a real signal. The power tests show that known biases give p far below it.
@@ -153,7 +153,7 @@ class PointMassAsSampledDrafter(OracleBeamsDrafter):
                 q[b, j] = 0.5 * p + 0.5 / V
                 beams[b, j + 1] = int(q[b, j].argmax())
                 history += (int(beams[b, j + 1]),)
-        return Proposal(beams=beams[:, None], valid=valid[:, None], q=q)
+        return Proposal(beams=beams[:, None], valid=valid[:, None], q=q[:, None])
 
 
 def run_rows(target, drafter, prompts, params_list):
@@ -191,6 +191,10 @@ CASES = {
     "retrieval T=1 top-p": (lambda t: RetrievalDrafter(Datastore.from_answers(ANSWERS, V), beam_width=2), T1),
     "sampled chain T=0.7 top-p": (lambda t: SampledChainDrafter(V, beam_length=4), T07),
     "sampled chain T=1 top-k": (lambda t: SampledChainDrafter(V, beam_length=4, seed=1), TOPK),
+    # Several chains drawn independently, verified by recursive rejection with i.i.d. drafts.
+    "3 sampled chains T=1 top-p": (lambda t: SampledChainDrafter(V, beam_length=4, seed=2, chains=3), T1),
+    "2 sampled chains T=0.7 top-k": (lambda t: SampledChainDrafter(V, beam_length=4, seed=3, chains=2),
+                                     {**TOPK, "temperature": 0.7}),
 }
 N_ROWS = 6000
 
@@ -206,13 +210,15 @@ def test_speculative_sampling_matches_exact_law(target, case):
 
 
 @pytest.mark.parametrize("draft_vocab", [None, [0, 2, 3, 5]], ids=["full-vocab", "draft-vocab-4-of-6"])
-@pytest.mark.parametrize("sample_drafts", [False, True], ids=["beams", "sampled-chain"])
-def test_redrafter_beam_search_sampling_matches_exact_law(target, draft_vocab, sample_drafts):
+@pytest.mark.parametrize("chains", [0, 1, 2, 3], ids=["beams", "sampled-chain", "2-sampled-chains",
+                                                  "3-sampled-chains-branching-once"])
+def test_redrafter_beam_search_sampling_matches_exact_law(target, draft_vocab, chains):
     """A ReDrafter head's beam search (random weights: a fixed, history-dependent proposal
     over this 6-token vocabulary, often right; W = 3) verified by recursive rejection, and
-    its sampled chain (drafts drawn from the head's q, speculative sampling); also with a
-    draft vocabulary that leaves out tokens the target samples (1 and 4): the law must not
-    change, only how often drafts are accepted."""
+    its sampled chains (drafts drawn from the head's q: one by speculative sampling, two
+    drawn independently by recursive rejection); also with a draft vocabulary that leaves
+    out tokens the target samples (1 and 4): the law must not change, only how often
+    drafts are accepted."""
     from specdraft.vocab import DraftVocab
 
     torch.manual_seed(0)
@@ -221,11 +227,12 @@ def test_redrafter_beam_search_sampling_matches_exact_law(target, draft_vocab, s
         vocab = DraftVocab(len(draft_vocab), int(target.vocab_size))
         vocab.set_ids(torch.tensor(draft_vocab))
     head = ReDrafterHead.for_target(target, head="own", draft_vocab=vocab).eval().requires_grad_(False)
+    head.config.sample_branch_length = 2 if chains == 3 else 0  # chains 2 and 3: one token each
     # The sampled chain is longer than the beams (sample_length), as the shipped head's is.
-    shape = dict(beam_length=2, sample_length=4) if sample_drafts else dict(beam_length=4)
-    res, steps = sample_case(target, lambda t: ReDrafter(head, beam_width=3, sample_drafts=sample_drafts, **shape),
+    shape = dict(beam_length=2, sample_length=4, sample_chains=chains) if chains else dict(beam_length=4)
+    res, steps = sample_case(target, lambda t: ReDrafter(head, beam_width=3, sample_drafts=chains > 0, **shape),
                              SamplingParams(**T1), N_ROWS)
-    print(f"redrafter sample_drafts={sample_drafts} T=1 top-p: {res} steps/row={steps:.2f}")
+    print(f"redrafter chains={chains} T=1 top-p: {res} steps/row={steps:.2f}")
     assert res.p_value > ALPHA, str(res)
     assert steps < K, "drafts were never accepted: the case tests nothing"
 
@@ -323,6 +330,18 @@ def test_power_unnormalised_recursive_rejection_is_detected(target, monkeypatch)
     monkeypatch.setattr(engine, "accept_tree_sampling", functools.partial(naive_tree_sampling, renormalise=False))
     res, _ = sample_case(target, lambda t: OracleBeamsDrafter(t), SamplingParams(**T1), 3000)
     print(f"unnormalised recursive rejection (engine): {res}")
+    assert res.p_value < ALPHA, str(res)
+
+
+def test_power_multi_chain_without_residual_is_detected(target, monkeypatch):
+    """Several sampled chains tried against p itself instead of the residual left by the
+    earlier rejections (norm(max(0, p - q))): accepts too much, and the test sees it."""
+    import specdraft.acceptance as acceptance
+
+    monkeypatch.setattr(acceptance, "_residual", lambda p, q: p)
+    res, _ = sample_case(target, lambda t: SampledChainDrafter(V, beam_length=4, seed=2, chains=3),
+                         SamplingParams(**T1), 3000)
+    print(f"multi-chain without the residual (engine): {res}")
     assert res.p_value < ALPHA, str(res)
 
 

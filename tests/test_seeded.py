@@ -63,7 +63,8 @@ def test_deterministic_drafts_give_plain_seeded_text(tiny_target, which):
 
 @pytest.fixture(scope="module")
 def chain_drafters(tiny_target, tmp_path_factory):
-    """Makers of drafters that sample their drafts: a ReDrafter head at W = 1, a draft model,
+    """Makers of drafters that sample their drafts: a ReDrafter head at W = 1 (one chain or
+    two drawn independently), a draft model,
     a combination holding the head."""
     from specdraft.drafters.draft_model import DraftModelDrafter
     from specdraft.models import load_target
@@ -73,12 +74,13 @@ def chain_drafters(tiny_target, tmp_path_factory):
     draft_path = make_tiny_llama(tmp_path_factory.mktemp("seeded") / "draft", vocab_size=16, seed=5)
     draft = load_target(str(draft_path), dtype="float32").model
     return {"redrafter": lambda: ReDrafter(head, beam_width=1, beam_length=4),
+            "redrafter-2-chains": lambda: ReDrafter(head, beam_width=1, beam_length=4, sample_chains=2),
             "draft-model": lambda: DraftModelDrafter(draft, gamma=3),
             # beside a greedy row a combination would otherwise verify the parts' union
             "lookup+redrafter": lambda: CombinedDrafter([LookupDrafter(2, 4), ReDrafter(head, beam_width=1, beam_length=4)])}
 
 
-@pytest.mark.parametrize("which", ["redrafter", "draft-model", "lookup+redrafter"])
+@pytest.mark.parametrize("which", ["redrafter", "redrafter-2-chains", "draft-model", "lookup+redrafter"])
 def test_sampled_drafts_give_the_same_text_in_any_batch(tiny_target, chain_drafters, which):
     alone = {}
     for prompts, params, where in batches():

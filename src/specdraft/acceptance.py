@@ -9,7 +9,9 @@ g0 included), how many, and the next token chosen by the target (the new g0).
 - deterministic candidates (beam search, lookup, top-k trees) under sampling: recursive
   rejection down the tree with point-mass proposals; the output is distributed exactly as
   the target's p.
-- sampled chains (a draft model sampled x ~ q): standard speculative sampling.
+- sampled chains (a draft model sampled x ~ q): standard speculative sampling; several
+  chains drawn independently from the same q, one after another at each node (recursive
+  rejection with i.i.d. drafts, SpecInfer's multi-step speculative sampling).
 """
 
 from __future__ import annotations
@@ -106,6 +108,15 @@ def accept_tree_sampling(tree: TreeBatch, beams: torch.Tensor, probs: torch.Tens
     return Acceptance(path=tree.unpack[rows, best], n=n, next_token=next_token, beam=best)
 
 
+def accept_sampled(tree: TreeBatch, beams: torch.Tensor, probs: torch.Tensor, q: torch.Tensor,
+                   generators: list) -> Acceptance:
+    """Sampled drafts, q (B, W, L-1, V): one chain (W == 1) by speculative sampling,
+    several by ``accept_chains_sampling``."""
+    if beams.shape[1] == 1:
+        return accept_chain_sampling(tree, beams, probs, q[:, 0], generators)
+    return accept_chains_sampling(tree, beams, probs, q, generators)
+
+
 def accept_chain_sampling(tree: TreeBatch, beams: torch.Tensor, probs: torch.Tensor,
                           q: torch.Tensor, generators: list) -> Acceptance:
     """Speculative sampling of one sampled chain per row (W == 1).
@@ -116,7 +127,7 @@ def accept_chain_sampling(tree: TreeBatch, beams: torch.Tensor, probs: torch.Ten
     whole chain is accepted (or ends early) sample from p after its last token.
     """
     B, W, L = beams.shape
-    assert W == 1, "sampled drafts are verified as one chain per row"
+    assert W == 1, "one sampled chain per row here; several: accept_chains_sampling"
     device = beams.device
     rows = torch.arange(B, device=device)
     chain = tree.unpack[:, 0]  # (B, L) packed positions along the chain
@@ -133,12 +144,69 @@ def accept_chain_sampling(tree: TreeBatch, beams: torch.Tensor, probs: torch.Ten
     if L > 1:
         j = m.clamp(max=L - 2)
         rejected = (m < L - 1) & valid[rows, j]
-        residual = (p_m - q[rows, j]).clamp(min=0)
-        has_mass = residual.sum(1, keepdim=True) > 0
-        p_m = torch.where(rejected[:, None] & has_mass, residual, p_m)
+        p_m = torch.where(rejected[:, None], _residual(p_m, q[rows, j]), p_m)
     next_token = sample(p_m, generators)
     zero = torch.zeros(B, dtype=torch.long, device=device)
     return Acceptance(path=chain, n=m + 1, next_token=next_token, beam=zero)
+
+
+def accept_chains_sampling(tree: TreeBatch, beams: torch.Tensor, probs: torch.Tensor,
+                           q: torch.Tensor, generators: list) -> Acceptance:
+    """Several chains per row, each drawn from the drafter's q (B, W, L-1, V) given its own
+    prefix (chains that share a prefix share q there), verified together.
+
+    At the path's node at depth j, the live chains are those whose tokens equal the path so
+    far; their tokens at j + 1 are i.i.d. draws from the node's q (whatever happened to the
+    other chains' draws). Recursive rejection with i.i.d. drafts: r = p; for each live chain
+    k in order, accept its token x with probability min(1, r(x)/q(x)), else r =
+    norm(max(0, r - q)); when all are rejected, draw the next token from r. Each trial is
+    one speculative-sampling step of r by q, whose output is r-distributed overall, so the
+    node's output is p-distributed (by induction over the trials; duplicates count as
+    separate trials). A row draws one uniform per trial and one token at the end, so its
+    stream depends on its own outcomes only.
+    """
+    B, W, L = beams.shape
+    device = beams.device
+    rows = torch.arange(B, device=device)
+    valid = tree.valid
+    live = torch.ones(B, W, dtype=torch.bool, device=device)
+    best = torch.zeros(B, dtype=torch.long, device=device)
+    n = torch.ones(B, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    next_token = torch.zeros(B, dtype=torch.long, device=device)
+    for j in range(L):  # depth loop: the path's node at depth j chooses its child
+        r = probs[rows, tree.unpack[rows, best, j]]  # (B, V) p at the path's node
+        moved = torch.zeros(B, dtype=torch.bool, device=device)
+        for k in range(W if j < L - 1 else 0):  # the trials, chain by chain
+            trial = live[:, k] & valid[:, k, j + 1] & ~done & ~moved
+            if not bool(trial.any()):
+                continue
+            x, qk = beams[:, k, j + 1], q[:, k, j]
+            u = _own_uniforms(trial.long().tolist(), 1, generators, device)[:, 0]
+            ok = trial & (u * qk.gather(1, x[:, None])[:, 0] < r.gather(1, x[:, None])[:, 0])
+            best = torch.where(ok, k, best)
+            moved |= ok
+            r = torch.where((trial & ~ok)[:, None], _residual(r, qk), r)
+        finish = ~done & ~moved
+        if bool(finish.any()):
+            idx = finish.nonzero().flatten()
+            next_token[idx] = sample(r[idx], [generators[i] for i in idx.tolist()])
+        done |= finish
+        if bool(done.all()):  # always so after the deepest node
+            break
+        token = beams[rows, best, j + 1]  # the child the moved rows went to
+        live &= (beams[:, :, j + 1] == token[:, None]) & valid[:, :, j + 1]
+        n += moved.long()
+    return Acceptance(path=tree.unpack[rows, best], n=n, next_token=next_token, beam=best)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) per row, (B, V); p itself where nothing is left (p <= q
+    everywhere: then a rejection had probability 0, up to rounding). Normalised, because
+    a next trial compares it with q."""
+    residual = (p - q).clamp(min=0)
+    mass = residual.sum(1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(p.dtype).tiny), p)
 
 
 def _own_uniforms(counts: list[int], width: int, generators: list, device) -> torch.Tensor:

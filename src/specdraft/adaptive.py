@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 import operator
 from collections import Counter
+from dataclasses import replace
 from itertools import accumulate
 
 import torch
@@ -392,6 +393,8 @@ class AdaptivePolicy:
         seconds = self.seconds(B, width, drafted=draft_seconds)
         if W == 1:
             return self.choose_chain(proposal, stats, use_conf, seconds, probe, weights)
+        if proposal.q is not None:
+            return self.choose_chains(proposal, stats, use_conf, seconds, probe, weights)
         owner = prefix_owner(proposal.beams, proposal.valid)
         owns = (owner == torch.arange(W, device=owner.device)[None, :, None]) & proposal.valid
         owns[:, :, 0] = False  # g0 is always verified
@@ -436,6 +439,22 @@ class AdaptivePolicy:
         keep = torch.arange(L, device=proposal.valid.device) <= n
         fixed = torch.tensor([s.fixed for s in stats], device=keep.device)[:, None, None]
         return chain & (keep | fixed)
+
+    def choose_chains(self, proposal, stats: list[RowStats], use_conf: torch.Tensor, seconds,
+                      probe: bool, weights: list[float] | None = None) -> torch.Tensor:
+        """``choose`` for W sampled chains (q set): one depth for all of a row's chains, as
+        ``choose_chain`` picks it for the first, depth n costing every chain's tokens cut
+        there (the rates, learnt from what steps accepted, hold what the others add). Not
+        by the drawn tokens (shared prefixes): a draw kept for its value is not from q."""
+        first = replace(proposal, beams=proposal.beams[:, :1], valid=proposal.valid[:, :1],
+                        confidence=None if proposal.confidence is None else proposal.confidence[:, :1])
+        drafted = (proposal.valid.to(torch.int8).cumprod(dim=2).sum(dim=2) - 1).tolist()  # (B, W) per chain
+
+        def tree_seconds(n: int) -> float:  # the longest row's drafted tokens over all its chains, cut at n
+            return seconds(max(sum(min(n, d) for d in row) for row in drafted))
+        depth = self.choose_chain(first, stats, use_conf, tree_seconds, probe, weights)[:, 0].sum(dim=1)
+        keep = torch.arange(proposal.beams.shape[2], device=depth.device)[None, None, :] < depth[:, None, None]
+        return proposal.valid.to(torch.int8).cumprod(dim=2).bool() & keep
 
     @staticmethod
     def observe_offers(stats: list[RowStats], drafted: list[bool]) -> None:

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from .acceptance import Acceptance, accept_chain_sampling, accept_greedy, accept_tree_sampling
+from .acceptance import Acceptance, accept_greedy, accept_sampled, accept_tree_sampling
 from .adaptive import AdaptivePolicy, finish_weights
 from .drafters.base import DraftContext, Drafter, Proposal
 from .errors import SpecdraftError
@@ -397,7 +397,7 @@ class SpeculativeEngine:
         gens = [r.generator for r in sub_rows]
         beams = proposal.beams[idx]
         if proposal.q is not None:
-            sampled = accept_chain_sampling(sub_tree, beams, probs, proposal.q[idx], gens)
+            sampled = accept_sampled(sub_tree, beams, probs, proposal.q[idx], gens)
         else:
             sampled = accept_tree_sampling(sub_tree, beams, probs, gens)
         for name in ("path", "n", "next_token", "beam"):

@@ -52,9 +52,11 @@ class DraftContext:
 class Proposal:
     """beams (B, W, L) long with beams[:, :, 0] == g0; valid (B, W, L) bool, prefix-closed.
 
-    ``q`` is set only by drafters that *sample* their drafts: (B, L-1, V), the
-    distribution each drafted token was drawn from (then W must be 1). Drafters with
-    deterministic candidates leave it None, and sampling rows use recursive rejection.
+    ``q`` is set only by drafters that *sample* their drafts: (B, W, L-1, V), the
+    distribution each drafted token was drawn from, given its beam's earlier tokens (the
+    W beams are then W chains drawn independently, so chains that share a prefix share q
+    there). Drafters with deterministic candidates leave it None, and sampling rows use
+    recursive rejection.
 
     ``confidence`` (B, W, L) float, optional: the drafter's own probability that token
     (w, j) is right given that its beam's earlier tokens are (beam log-probabilities,

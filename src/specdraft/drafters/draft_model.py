@@ -5,7 +5,7 @@ D = min(gamma, budget - 1):
 
 - W == 1 (a chain): greedy rows take the draft's argmax; sampling rows draw d_j from
   q_j = sampling.target_probs(draft logits) at the row's own temperature/top-k/top-p, with
-  a per-row generator, and the proposal reports q (B, D, V) so that the engine runs
+  a per-row generator, and the proposal reports q (B, 1, D, V) so that the engine runs
   standard speculative sampling (exact for any q).
 - W > 1 (a deterministic tree): a beam search of width W over the draft's log-probs.
   Candidates are deterministic (q is None); the engine verifies them by recursive
@@ -218,7 +218,7 @@ class DraftModelDrafter(Drafter):
     def _draft_tree(self, logits: torch.Tensor, ctx: DraftContext, depth: int):
         """Draft ``depth`` levels of W beams from the root logits (B, V).
 
-        Returns beams (B, W, depth+1) with g0 first, q (B, depth, V) or None, slots
+        Returns beams (B, W, depth+1) with g0 first, q (B, 1, depth, V) or None, slots
         (B, W, depth-1): for each beam, the offsets (from the committed width) where its
         drafts d1..d_{depth-1} were cached, and confidence (B, W, depth+1): the draft's
         probability of each token given its beam's earlier ones (g0: 1).
@@ -260,7 +260,7 @@ class DraftModelDrafter(Drafter):
             confs = torch.cat([confs, _token_probs(level_logits, tokens, parent)], dim=2)
             qs.append(q_j)
         cache.width = width
-        q = torch.stack(qs, dim=1) if sampling else None  # (B, depth, V)
+        q = torch.stack(qs, dim=1)[:, None] if sampling else None  # (B, 1, depth, V): one chain
         confidence = torch.nn.functional.pad(confs, (1, 0), value=1.0)
         return torch.cat([g0, paths], dim=2), q, slots, confidence
 

@@ -15,7 +15,10 @@ exact for any q). So whenever a batch holds a sampling row, every row gets one c
 ``sample_L`` tokens (the checkpoint's sample_length, else L: a drawn token's acceptance
 differs from a beam's, and so does the depth that pays; the shipped head draws 4 where its
 beams hold 3): sampling rows walk the recurrence drawing y_j ~ q_j and report q; greedy rows
-take the argmax, as a beam search of one would. A batch of greedy rows only gets the W beams
+take the argmax, as a beam search of one would. With the checkpoint's sample_chains C > 1
+each sampling row draws C chains independently (the engine tries a second draw at a node
+where the first was rejected: ``acceptance.accept_chains_sampling``); greedy rows keep one.
+A batch of greedy rows only gets the W beams
 (W = 2 beams of 3 tokens against one chain: greedy τ 1.83 against 1.64 on MT-Bench, bf16;
 at T = 1 2 x 3 beams gave τ 1.33, a sampled chain of 3 1.51). The only state kept between
 steps is each sampling request's generator.
@@ -65,7 +68,7 @@ class ReDrafter(Drafter):
     acceptance_prior = 0.5
 
     def __init__(self, head: ReDrafterHead, beam_width: int | None = None, beam_length: int | None = None,
-                 sample_drafts: bool = True, sample_length: int | None = None):
+                 sample_drafts: bool = True, sample_length: int | None = None, sample_chains: int | None = None):
         self.head = head
         fastpath.small_batch_linear(head)  # its few-row linears, like the target's (CPU)
         self.W, self.L = beam_shape(head.config, beam_width, beam_length)
@@ -73,6 +76,9 @@ class ReDrafter(Drafter):
         # the checkpoint's sample_length (0: its beam length).
         self.sample_L = sample_length or (self.L if beam_length is not None else head.config.sample_length or self.L)
         check_shapes(1, self.sample_L)
+        self.sample_C = sample_chains or head.config.sample_chains  # chains a sampling row draws
+        # ...the chains after the first this long (g0 counted), never longer than the first
+        self.branch_L = min(head.config.sample_branch_length or self.sample_L, self.sample_L)
         self.width_given = beam_width is not None  # fit_shape keeps a width the user chose
         self.widened = False  # fit_shape made W = 2: then one beam on steps above WIDE_MAX_ROWS rows
         self.context_window = head.config.context
@@ -137,7 +143,7 @@ class ReDrafter(Drafter):
             # No row may use more than its budget: drafting deeper would only be clipped away.
             L = min(self.sample_L, int(ctx.budget.max()))
             with fastpath.active():
-                return self.sampled_chain(self.root_states(ctx), ctx, L)
+                return self.sampled_chains(self.root_states(ctx), ctx, L)
         return self.propose_deterministic(ctx)
 
     @torch.no_grad()
@@ -149,56 +155,67 @@ class ReDrafter(Drafter):
             result = redrafter_beam_search(self.head, hidden, ctx.g0, self.width(hidden.shape[0]), L)
         return Proposal(beams=result.beams, valid=result.valid, confidence=beam_confidence(result))
 
-    def sampled_chain(self, hidden: torch.Tensor, ctx: DraftContext, L: int) -> Proposal:
-        """One beam of L tokens per row (B, 1, L), g0 first: sampling rows draw y_j ~ q_j,
-        greedy rows take argmax q_j. q (B, L - 1, V) float32 is each depth's distribution
-        over the target's vocabulary (zero outside a draft vocabulary; a point mass on the
-        argmax for greedy rows, which are verified greedily and never read it).
+    def sampled_chains(self, hidden: torch.Tensor, ctx: DraftContext, L: int) -> Proposal:
+        """C = ``sample_C`` chains of L tokens per row (B, C, L), g0 first: sampling rows
+        draw y_j ~ q_j along each chain (C independent walks of the recurrence, batched as
+        its beams; chains after the first only to ``branch_L``, the rest marked invalid),
+        greedy rows take argmax q_j (chain 0 only: the others are marked invalid). q (B, C, L - 1, V) float32 is each depth's distribution over the target's
+        vocabulary (zero outside a draft vocabulary; a point mass on the argmax for greedy
+        rows, which are verified greedily and never read it).
 
         Each depth works over the head's N outputs (softmax, top-k / top-p, the draw) and
         q is widened to V once at the end: the same distribution as one over V with -inf
         outside (draft ids are in target-id order, so even the inverse-CDF draw visits the
-        tokens in the same order), at a sixth of the work per depth for N = 8192 of 49152."""
-        head, vocab, B = self.head, self.head.draft_vocab, hidden.shape[0]
+        tokens in the same order), at a sixth of the work per depth for N = 8192 of 49152.
+        Draws go row by row, chain by chain within a row, depth by depth."""
+        head, vocab, B, C = self.head, self.head.draft_vocab, hidden.shape[0], self.sample_C
+        device = hidden.device
         rows, greedy = (~ctx.greedy).nonzero().flatten(), ctx.greedy.nonzero().flatten()
-        row_knobs = knobs([ctx.params[b] for b in rows.tolist()], hidden.device)
+        row_knobs = knobs([ctx.params[b] for b in rows.tolist() for _ in range(C)], device)
         generators = self.row_generators(ctx, rows.tolist())
         h = hidden[:, None, :]
         bias = head.recurrence_bias(h)
-        state = head.step(head.initial_state((B, 1), device=hidden.device), ctx.g0[:, None], bias)
-        tokens, q_rows, confidence = [ctx.g0], [], [torch.ones(B, device=hidden.device)]
+        g0 = ctx.g0[:, None].expand(B, C)
+        state = head.step(head.initial_state((B, C), device=device), g0, bias)
+        tokens, q_rows, confidence = [g0], [], [torch.ones(B, C, device=device)]
         # A row draws only the tokens its own budget keeps, so its stream never depends on
-        # how deep the other rows of the batch let the chain go.
+        # how deep the other rows of the batch let the chains go.
         budget = ctx.budget[rows].tolist()
         for j in range(L - 1):
-            logits = head.draft_logits(h, state)[:, 0]  # (B, N) float32 over the head's outputs
-            choice = logits.argmax(dim=-1)  # (B,) output ids
-            probs = target_probs(logits[rows], *row_knobs)  # (R, N) the sampling rows' q_j
-            kept = [i for i, b in enumerate(budget) if b > j + 1]
+            logits = head.draft_logits(h, state)  # (B, C, N) float32 over the head's outputs
+            choice = logits.argmax(dim=-1)  # (B, C) output ids
+            probs = target_probs(logits[rows].flatten(0, 1), *row_knobs)  # (R * C, N) the sampling rows' q_j
+            reach = C if j + 1 < self.branch_L else 1  # chains still drawing at depth j + 1
+            kept = [i * C + c for i, b in enumerate(budget) if b > j + 1 for c in range(reach)]
             if kept:
-                choice[rows[kept]] = sample(probs[kept], [generators[i] for i in kept])
-            conf = torch.ones(B, device=hidden.device)  # q of each drawn / chosen token
-            conf[rows] = probs.gather(1, choice[rows, None])[:, 0]
+                drawn = choice[rows].flatten()
+                drawn[kept] = sample(probs[kept], [generators[i // C] for i in kept])
+                choice[rows] = drawn.view(-1, C)
+            conf = torch.ones(B, C, device=device)  # q of each drawn / chosen token
+            conf[rows] = probs.gather(1, choice[rows].flatten()[:, None]).view(-1, C)
             if len(greedy):  # a softmax only for the rows that need it, not the whole batch
-                conf[greedy] = logits[greedy].softmax(dim=-1).gather(1, choice[greedy, None])[:, 0]
+                conf[greedy] = logits[greedy].softmax(dim=-1).gather(2, choice[greedy, :, None])[:, :, 0]
             token = choice if vocab is None else vocab.to_target(choice)
-            tokens.append(token), q_rows.append(probs), confidence.append(conf)
-            state = head.step(state, token[:, None], bias)
-        beams = torch.stack(tokens, dim=1)[:, None, :]
-        return Proposal(beams=beams, valid=torch.ones_like(beams, dtype=torch.bool),
-                        q=self.chain_q(beams[:, 0, 1:], rows, torch.stack(q_rows, dim=1)),
-                        confidence=torch.stack(confidence, dim=1)[:, None, :])
+            tokens.append(token), q_rows.append(probs.view(-1, C, probs.shape[-1])), confidence.append(conf)
+            state = head.step(state, token, bias)
+        beams = torch.stack(tokens, dim=2)  # (B, C, L)
+        valid = torch.ones_like(beams, dtype=torch.bool)
+        valid[greedy, 1:] = False  # a greedy row's chains are all its argmax chain
+        valid[:, 1:, self.branch_L:] = False
+        valid[:, :, 0] = True
+        return Proposal(beams=beams, valid=valid, q=self.chain_q(beams[:, :, 1:], rows, torch.stack(q_rows, dim=2)),
+                        confidence=torch.stack(confidence, dim=2))
 
     def chain_q(self, drafted: torch.Tensor, rows: torch.Tensor, q_rows: torch.Tensor) -> torch.Tensor:
-        """(B, L - 1, V) float32 from the sampling rows' q over the head's outputs
-        ``q_rows`` (R, L - 1, N): those rows' q widened (zero outside a draft vocabulary),
-        a point mass on the drafted token (``drafted`` (B, L - 1), target ids) elsewhere."""
+        """(B, C, L - 1, V) float32 from the sampling rows' q over the head's outputs
+        ``q_rows`` (R, C, L - 1, N): those rows' q widened (zero outside a draft vocabulary),
+        a point mass on the drafted token (``drafted`` (B, C, L - 1), target ids) elsewhere."""
         V = int(self.head.config.vocab_size)
         q = torch.nn.functional.one_hot(drafted, V).float()
         if len(rows):
             vocab = self.head.draft_vocab
-            q[rows] = q_rows if vocab is None else q_rows.new_zeros(*q_rows.shape[:2], V).index_copy_(
-                2, vocab.ids(), q_rows)
+            q[rows] = q_rows if vocab is None else q_rows.new_zeros(*q_rows.shape[:3], V).index_copy_(
+                3, vocab.ids(), q_rows)
         return q
 
     def row_generators(self, ctx: DraftContext, rows: list[int]) -> list[torch.Generator]:

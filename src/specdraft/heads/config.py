@@ -99,7 +99,12 @@ class ReDrafterConfig(HeadConfig):
     hidden_in_recurrence: the recurrence also reads h at every step (beyond the paper).
     sample_length: L of the chain drawn from the head for rows that sample (g0 counted);
     0: beam_length. A drawn token is accepted with probability sum_x min(p, q) rather than
-    the beams' top-1 rate, so the best depth for sampling rows need not be the beams'."""
+    the beams' top-1 rate, so the best depth for sampling rows need not be the beams'.
+    sample_chains: how many chains sampling rows draw, independently from the same q
+    (verified together by recursive rejection: a second draw at a node is tried where the
+    first was rejected); 1: one chain. sample_branch_length: L of the chains after the
+    first (g0 counted; 0: sample_length): where a target forward costs the same for a few
+    more tree tokens, short extra chains add acceptance at the first depths for free."""
 
     KIND = "redrafter"
 
@@ -109,13 +114,19 @@ class ReDrafterConfig(HeadConfig):
     feature_layers: list = field(default_factory=list)
     hidden_in_recurrence: bool = False
     sample_length: int = 0
+    sample_chains: int = 1
+    sample_branch_length: int = 0
 
     def validate(self) -> None:
         super().validate()
-        value = self.sample_length
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value == 1:
-            raise SpecdraftError(f"redrafter config: sample_length must be 0 (beam_length) or an integer >= 2, "
-                                 f"got {value!r}")
+        chains = self.sample_chains
+        if not isinstance(chains, int) or isinstance(chains, bool) or chains < 1:
+            raise SpecdraftError(f"redrafter config: sample_chains must be an integer >= 1, got {chains!r}")
+        for name, default in (("sample_length", "beam_length"), ("sample_branch_length", "sample_length")):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value == 1:
+                raise SpecdraftError(f"redrafter config: {name} must be 0 ({default}) or an integer >= 2, "
+                                     f"got {value!r}")
         if not isinstance(self.hidden_in_recurrence, bool):
             raise SpecdraftError(f"redrafter config: hidden_in_recurrence must be true or false, "
                                  f"got {self.hidden_in_recurrence!r}")

@@ -73,7 +73,7 @@ class CorpusEvaluator:
 
 @torch.no_grad()
 def sampled_acceptance(corpus: Corpus, model, target, vocab: DraftVocab | None, K: int, temperature: float = 1.0,
-                       batch: int = 512, window: int = 0) -> dict:
+                       batch: int = 512, window: int = 0, chains: int = 1) -> dict:
     """How often a chain *drawn* from the head would be accepted, teacher forced on a
     held-out corpus (best extracted from the target's answers sampled at ``temperature``:
     the text an accepted chain follows).
@@ -85,9 +85,14 @@ def sampled_acceptance(corpus: Corpus, model, target, vocab: DraftVocab | None, 
     h_{t+1+i}). Returns the mean a_i per depth (``eval_accept_t{T}_{i}``) and a one-chain
     τ estimate per length L, 1 + mean_t sum_{k<L} prod_{i<k} a_i(t)
     (``eval_tau_t{T}_l{L}``; a depth without a label, past the answer's end, counts 0).
+    With ``chains`` C > 1 also the rate at which one of C independent draws from q_i is
+    accepted there (recursive rejection, ``acceptance.accept_chains_sampling``):
+    ``eval_accept_t{T}_c{c}_{i}`` for c = 2..C, by a_c = a_{c-1} + (1 - a_{c-1}) *
+    sum_x min(r_c(x), q(x)), r_c the residual left by the c - 1 rejections.
     model: a ``train.heads.HeadObjective``; target: the ``models.Target``."""
     ids = None if vocab is None else vocab.ids().to(target.device)
-    total, count, chains, rows = np.zeros(K), np.zeros(K), np.zeros(K), 0
+    total, count, streaks, rows = np.zeros(K), np.zeros(K), np.zeros(K), 0
+    several = np.zeros((max(chains - 1, 0), K))  # accepted with 2..C draws, summed per depth
     was = model.training
     model.eval()
     try:
@@ -104,17 +109,27 @@ def sampled_acceptance(corpus: Corpus, model, target, vocab: DraftVocab | None, 
                 p = (target.logits(states[:, i].to(target.device, target.dtype)).float() / temperature).softmax(-1)
                 p = p if ids is None else p[:, ids]  # q is zero outside the draft vocabulary
                 accept[:, i] = torch.minimum(p, q).sum(-1).cpu()
+                rate, outside = accept[:, i].to(p.device), 1 - p.sum(-1)  # p's mass outside the draft vocabulary
+                for c in range(chains - 1):  # one more independent draw, tried where all before were rejected
+                    left = (p - q).clamp(min=0)  # the residual, normalised with the mass outside (q is 0 there)
+                    mass = (left.sum(-1) + outside).clamp(min=1e-30)
+                    p, outside = left / mass[:, None], outside / mass
+                    rate = rate + (1 - rate) * torch.minimum(p, q).sum(-1)
+                    several[c, i] += float(rate.cpu()[valid[:, i]].sum())
             accept = torch.where(valid, accept, torch.zeros_like(accept))
             total += accept.sum(0).numpy()
             count += valid.sum(0).numpy()
-            chains += accept.cumprod(1).sum(0).numpy()  # sum over rows of prod_{i<=k} a_i, per k
+            streaks += accept.cumprod(1).sum(0).numpy()  # sum over rows of prod_{i<=k} a_i, per k
             rows += len(accept)
     finally:
         model.train(was)
     T = f"{temperature:g}"
     out = {f"eval_accept_t{T}_{i}": round(float(total[i] / max(count[i], 1)), 4) for i in range(K)}
     for L in range(2, K + 2):
-        out[f"eval_tau_t{T}_l{L}"] = round(1 + float(chains[:L - 1].sum() / max(rows, 1)), 4)
+        out[f"eval_tau_t{T}_l{L}"] = round(1 + float(streaks[:L - 1].sum() / max(rows, 1)), 4)
+    for c in range(chains - 1):
+        out.update({f"eval_accept_t{T}_c{c + 2}_{i}": round(float(several[c, i] / max(count[i], 1)), 4)
+                    for i in range(K)})
     return out
 
 
