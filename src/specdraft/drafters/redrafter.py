@@ -159,9 +159,10 @@ class ReDrafter(Drafter):
         """C = ``sample_C`` chains of L tokens per row (B, C, L), g0 first: sampling rows
         draw y_j ~ q_j along each chain (C independent walks of the recurrence, batched as
         its beams; chains after the first only to ``branch_L``, the rest marked invalid),
-        greedy rows take argmax q_j (chain 0 only: the others are marked invalid). q (B, C, L - 1, V) float32 is each depth's distribution over the target's
-        vocabulary (zero outside a draft vocabulary; a point mass on the argmax for greedy
-        rows, which are verified greedily and never read it).
+        greedy rows take argmax q_j (chain 0 only: the others are marked invalid). q
+        (B, C, L - 1, V) float32 is each depth's distribution over the target's vocabulary
+        (zero outside a draft vocabulary; a point mass on the argmax for greedy rows, which
+        are verified greedily and never read it).
 
         Each depth works over the head's N outputs (softmax, top-k / top-p, the draw) and
         q is widened to V once at the end: the same distribution as one over V with -inf
