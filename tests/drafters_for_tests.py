@@ -63,15 +63,26 @@ class SampledChainDrafter(Drafter):
     name = "sampled-chain"
 
     def __init__(self, vocab_size: int, beam_length: int = 4, seed: int = 0, sharpness: float = 2.0,
-                 chains: int = 1):
+                 chains: int = 1, distinct: bool = False, report_marginal: bool = False):
         self.V, self.L, self.C = vocab_size, beam_length, chains
         self.gen = torch.Generator().manual_seed(seed)
         self.sharpness = sharpness
+        # distinct: the chains' first tokens drawn without replacement from one q (chain k's
+        # reported q: that q without the tokens of chains < k, renormalised);
+        # report_marginal: ...but report the shared q itself (wrong: for the power test)
+        self.distinct, self.report_marginal = distinct, report_marginal
 
     def propose(self, ctx: DraftContext) -> Proposal:
         B, C, D = len(ctx.tokens), self.C, self.L - 1
         q = (torch.randn(B, C, D, self.V, generator=self.gen) * self.sharpness).softmax(-1)
         drafts = torch.multinomial(q.view(-1, self.V), 1, generator=self.gen).view(B, C, D)
+        if self.distinct:
+            first = q[:, 0, 0]  # (B, V) the one law of every chain's first token
+            drafts[:, :, 0] = torch.multinomial(first, C, replacement=False, generator=self.gen)
+            left = first.clone()
+            for k in range(C):
+                q[:, k, 0] = first if self.report_marginal else left / left.sum(-1, keepdim=True)
+                left[torch.arange(B), drafts[:, k, 0]] = 0.0
         beams = torch.cat([ctx.g0.cpu()[:, None, None].expand(B, C, 1), drafts], dim=2)
         valid = torch.ones_like(beams, dtype=torch.bool)
         dev = ctx.g0.device

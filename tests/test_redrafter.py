@@ -19,6 +19,7 @@ from specdraft.checkpoint import CONFIG, WEIGHTS
 from specdraft.drafters import NoDrafter
 from specdraft.drafters.redrafter import ReDrafter
 from specdraft.errors import SpecdraftError
+from specdraft.sampling import target_probs
 from specdraft.models import load_target
 from specdraft.heads import (MedusaHeads, ReDrafterHead, export_trtllm, future_labels,
                                  redrafter_beam_search)
@@ -505,8 +506,9 @@ def test_fit_shape_widens_a_default_chain_only_where_the_second_beam_is_nearly_f
 
 
 def test_sampled_chains_are_independent_walks(tiny_target, tmp_path):
-    """sample_chains C: a sampling row draws C chains, each with the q of its own prefix
-    (two chains that drew the same first token have the same q at depth 2); a greedy row
+    """sample_chains C: a sampling row draws C chains, their first tokens distinct (drawn
+    without replacement, each reported with its conditional q), each then with the q of
+    its own prefix; a greedy row
     keeps only its argmax chain; sample_branch_length cuts the chains after the first (the
     draws before the cut unchanged); the config's values round-trip, bad ones are refused."""
     from specdraft.drafters.base import DraftContext
@@ -527,12 +529,20 @@ def test_sampled_chains_are_independent_walks(tiny_target, tmp_path):
     assert many.beams.shape == (B, 3, 4) and many.q.shape == (B, 3, 3, V)
     assert many.valid[0].all() and many.valid[1, 0].all() and not many.valid[1, 1:, 1:].any()
     assert torch.allclose(many.q[0].sum(-1), torch.ones(3, 3))
-    q = many.q[0]
-    assert torch.allclose(q[0, 0], q[1, 0]) and torch.allclose(q[0, 0], q[2, 0])  # one root, one q
-    for a in range(3):
-        for b in range(3):
-            if many.beams[0, a, 1] == many.beams[0, b, 1]:
-                assert torch.allclose(q[a, 1], q[b, 1])
+    q, first = many.q[0], many.beams[0, :, 1]
+    assert len(set(first.tolist())) == 3  # drawn without replacement
+    left = q[0, 0].clone()
+    for k in range(1, 3):  # chain k's law: q_1 without the earlier chains' tokens
+        left[first[k - 1]] = 0.0
+        assert torch.allclose(q[k, 0], left / left.sum()) and q[k, 0, first[:k]].eq(0).all()
+    head_ = drafter.head  # each chain's q_2 is the head's q given that chain's own first token
+    h = ctx.hidden[:1]
+    bias = head_.recurrence_bias(h)
+    s1 = head_.step(head_.initial_state((1,)), ctx.g0[:1], bias)
+    for k in range(3):
+        logits = head_.draft_logits(h, head_.step(s1, first[k:k + 1], bias))
+        expect = target_probs(logits, torch.tensor([1.5]), torch.tensor([0]), torch.tensor([1.0]))[0]
+        assert torch.allclose(q[k, 1], expect, atol=1e-6)
     one = ReDrafter(head, sample_chains=1)
     one.start(ctx)
     single = one.propose(ctx)

@@ -195,6 +195,11 @@ CASES = {
     "3 sampled chains T=1 top-p": (lambda t: SampledChainDrafter(V, beam_length=4, seed=2, chains=3), T1),
     "2 sampled chains T=0.7 top-k": (lambda t: SampledChainDrafter(V, beam_length=4, seed=3, chains=2),
                                      {**TOPK, "temperature": 0.7}),
+    # ...and with their first tokens drawn without replacement, each with its conditional q.
+    "3 chains without replacement T=1 top-p": (lambda t: SampledChainDrafter(V, beam_length=4, seed=4, chains=3,
+                                                                               sharpness=4.0, distinct=True), T1),
+    "2 chains without replacement T=1 top-k": (lambda t: SampledChainDrafter(V, beam_length=4, seed=5, chains=2,
+                                                                               distinct=True), TOPK),
 }
 N_ROWS = 6000
 
@@ -215,8 +220,9 @@ def test_speculative_sampling_matches_exact_law(target, case):
 def test_redrafter_beam_search_sampling_matches_exact_law(target, draft_vocab, chains):
     """A ReDrafter head's beam search (random weights: a fixed, history-dependent proposal
     over this 6-token vocabulary, often right; W = 3) verified by recursive rejection, and
-    its sampled chains (drafts drawn from the head's q: one by speculative sampling, two
-    drawn independently by recursive rejection); also with a draft vocabulary that leaves
+    its sampled chains (drafts drawn from the head's q: one by speculative sampling,
+    several, their first tokens distinct, by recursive rejection without replacement; with
+    C = 3 and top-p q_1 often has fewer than 3 tokens); also with a draft vocabulary that leaves
     out tokens the target samples (1 and 4): the law must not change, only how often
     drafts are accepted."""
     from specdraft.vocab import DraftVocab
@@ -342,6 +348,18 @@ def test_power_multi_chain_without_residual_is_detected(target, monkeypatch):
     res, _ = sample_case(target, lambda t: SampledChainDrafter(V, beam_length=4, seed=2, chains=3),
                          SamplingParams(**T1), 3000)
     print(f"multi-chain without the residual (engine): {res}")
+    assert res.p_value < ALPHA, str(res)
+
+
+def test_power_chains_without_replacement_tried_with_the_shared_q_is_detected(target):
+    """Chains whose first tokens are drawn without replacement but reported with the
+    shared q (not q without the earlier chains' tokens): the later trials under-accept
+    and subtract the wrong residual, and the test sees it (a sharp q: the first draw takes
+    much of its mass, so the two laws differ most)."""
+    res, _ = sample_case(target, lambda t: SampledChainDrafter(V, beam_length=4, seed=4, chains=3, distinct=True,
+                                                               sharpness=4.0, report_marginal=True),
+                         SamplingParams(**T1), N_ROWS)
+    print(f"chains without replacement, marginal q reported (engine): {res}")
     assert res.p_value < ALPHA, str(res)
 
 

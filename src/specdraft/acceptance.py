@@ -10,8 +10,9 @@ g0 included), how many, and the next token chosen by the target (the new g0).
   rejection down the tree with point-mass proposals; the output is distributed exactly as
   the target's p.
 - sampled chains (a draft model sampled x ~ q): standard speculative sampling; several
-  chains drawn independently from the same q, one after another at each node (recursive
-  rejection with i.i.d. drafts, SpecInfer's multi-step speculative sampling).
+  chains, one after another at each node: recursive rejection, with i.i.d. drafts
+  (SpecInfer's multi-step speculative sampling) or drafts drawn without replacement (each
+  with its own conditional q; Jeon et al. 2024, recursive speculative decoding).
 """
 
 from __future__ import annotations
@@ -152,18 +153,21 @@ def accept_chain_sampling(tree: TreeBatch, beams: torch.Tensor, probs: torch.Ten
 
 def accept_chains_sampling(tree: TreeBatch, beams: torch.Tensor, probs: torch.Tensor,
                            q: torch.Tensor, generators: list) -> Acceptance:
-    """Several chains per row, each drawn from the drafter's q (B, W, L-1, V) given its own
-    prefix (chains that share a prefix share q there), verified together.
+    """Several chains per row, verified together. q (B, W, L-1, V): q[:, k, j] is the law
+    chain k's token at depth j + 1 was drawn from, given its prefix and the tokens the
+    chains before it (k' < k) drew at that node: the node's q for i.i.d. draws, that q with
+    the earlier chains' tokens removed and renormalised for draws without replacement.
 
     At the path's node at depth j, the live chains are those whose tokens equal the path so
-    far; their tokens at j + 1 are i.i.d. draws from the node's q (whatever happened to the
-    other chains' draws). Recursive rejection with i.i.d. drafts: r = p; for each live chain
-    k in order, accept its token x with probability min(1, r(x)/q(x)), else r =
-    norm(max(0, r - q)); when all are rejected, draw the next token from r. Each trial is
-    one speculative-sampling step of r by q, whose output is r-distributed overall, so the
-    node's output is p-distributed (by induction over the trials; duplicates count as
-    separate trials). A row draws one uniform per trial and one token at the end, so its
-    stream depends on its own outcomes only.
+    far. Recursive rejection: r = p; for each live chain k in order, accept its token x with
+    probability min(1, r(x)/q_k(x)), else r = norm(max(0, r - q_k)); when all are rejected,
+    draw the next token from r. Each trial is one speculative-sampling step of r by q_k,
+    whose output is r-distributed overall whatever q_k is (q_k may depend on the earlier
+    trials' tokens, not on their outcomes), so the node's output is p-distributed (by
+    induction over the trials from the last; i.i.d. duplicates count as separate trials).
+    Without replacement no token is tried twice: a sharp q's second draw is not its first
+    again (Jeon et al. 2024). A row draws one uniform per trial and one token at the end,
+    so its stream depends on its own outcomes only.
     """
     B, W, L = beams.shape
     device = beams.device

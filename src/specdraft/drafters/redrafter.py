@@ -16,8 +16,9 @@ exact for any q). So whenever a batch holds a sampling row, every row gets one c
 differs from a beam's, and so does the depth that pays; the shipped head draws 4 where its
 beams hold 3): sampling rows walk the recurrence drawing y_j ~ q_j and report q; greedy rows
 take the argmax, as a beam search of one would. With the checkpoint's sample_chains C > 1
-each sampling row draws C chains independently (the engine tries a second draw at a node
-where the first was rejected: ``acceptance.accept_chains_sampling``); greedy rows keep one.
+each sampling row draws C chains whose first drafted tokens are distinct, drawn without
+replacement from q_1 (the engine tries a second chain's token where the first was rejected:
+``acceptance.accept_chains_sampling``); greedy rows keep one.
 A batch of greedy rows only gets the W beams
 (W = 2 beams of 3 tokens against one chain: greedy τ 1.83 against 1.64 on MT-Bench, bf16;
 at T = 1 2 x 3 beams gave τ 1.33, a sampled chain of 3 1.51). The only state kept between
@@ -57,6 +58,11 @@ def beam_shape(config, beam_width: int | None, beam_length: int | None) -> tuple
     return W, L
 
 
+def chains_of(t: torch.Tensor, C: int) -> torch.Tensor:
+    """t (B, c, ...) with c 1 or C -> (B, C, ...): chain 0 repeated where only it was walked."""
+    return t if t.shape[1] == C else t[:, :1].expand(t.shape[0], C, *t.shape[2:])
+
+
 def beam_confidence(result) -> torch.Tensor:
     """(B, W, L) per-token probabilities of a beam search's tokens (g0: 1)."""
     probs = result.token_logprobs.float().exp()
@@ -68,7 +74,8 @@ class ReDrafter(Drafter):
     acceptance_prior = 0.5
 
     def __init__(self, head: ReDrafterHead, beam_width: int | None = None, beam_length: int | None = None,
-                 sample_drafts: bool = True, sample_length: int | None = None, sample_chains: int | None = None):
+                 sample_drafts: bool = True, sample_length: int | None = None, sample_chains: int | None = None,
+                 sample_branch_length: int | None = None):
         self.head = head
         fastpath.small_batch_linear(head)  # its few-row linears, like the target's (CPU)
         self.W, self.L = beam_shape(head.config, beam_width, beam_length)
@@ -78,7 +85,7 @@ class ReDrafter(Drafter):
         check_shapes(1, self.sample_L)
         self.sample_C = sample_chains or head.config.sample_chains  # chains a sampling row draws
         # ...the chains after the first this long (g0 counted), never longer than the first
-        self.branch_L = min(head.config.sample_branch_length or self.sample_L, self.sample_L)
+        self.branch_L = min(sample_branch_length or head.config.sample_branch_length or self.sample_L, self.sample_L)
         self.width_given = beam_width is not None  # fit_shape keeps a width the user chose
         self.widened = False  # fit_shape made W = 2: then one beam on steps above WIDE_MAX_ROWS rows
         self.context_window = head.config.context
@@ -156,56 +163,107 @@ class ReDrafter(Drafter):
         return Proposal(beams=result.beams, valid=result.valid, confidence=beam_confidence(result))
 
     def sampled_chains(self, hidden: torch.Tensor, ctx: DraftContext, L: int) -> Proposal:
-        """C = ``sample_C`` chains of L tokens per row (B, C, L), g0 first: sampling rows
-        draw y_j ~ q_j along each chain (C independent walks of the recurrence, batched as
-        its beams; chains after the first only to ``branch_L``, the rest marked invalid),
-        greedy rows take argmax q_j (chain 0 only: the others are marked invalid). q
-        (B, C, L - 1, V) float32 is each depth's distribution over the target's vocabulary
-        (zero outside a draft vocabulary; a point mass on the argmax for greedy rows, which
-        are verified greedily and never read it).
+        """C = ``sample_C`` chains of L tokens per row (B, C, L), g0 first. Sampling rows draw
+        the chains' first drafted tokens *without replacement* from q_1 (chain k's from q_1
+        with the tokens of chains 0..k-1 removed, renormalised: that conditional law is the q
+        reported for it, what recursive rejection without replacement needs,
+        ``acceptance.accept_chains_sampling``), then y_j ~ q_j along each chain. Chains after
+        the first stop at ``branch_L`` (the recurrence walks them no further; past it they
+        repeat chain 0's tokens, marked invalid, as is a chain whose row's q_1 had fewer
+        than C tokens). Greedy rows take argmax q_j (chain 0 only: the others are invalid).
+        q (B, C, L - 1, V) float32 is the law each drafted token was drawn from, over the
+        target's vocabulary (zero outside a draft vocabulary; a point mass on the argmax for
+        greedy rows, which are verified greedily and never read it).
+
+        Example: C = 3, branch_L = 2, L = 4: a row's tree is g0 -> {a, b, c} (distinct), a ->
+        y_2 -> y_3; the head walks one chain past depth 1, as with C = 1.
 
         Each depth works over the head's N outputs (softmax, top-k / top-p, the draw) and
         q is widened to V once at the end: the same distribution as one over V with -inf
         outside (draft ids are in target-id order, so even the inverse-CDF draw visits the
         tokens in the same order), at a sixth of the work per depth for N = 8192 of 49152.
-        Draws go row by row, chain by chain within a row, depth by depth."""
+        A row's draws go depth by depth, chain by chain, from its own generator."""
         head, vocab, B, C = self.head, self.head.draft_vocab, hidden.shape[0], self.sample_C
         device = hidden.device
         rows, greedy = (~ctx.greedy).nonzero().flatten(), ctx.greedy.nonzero().flatten()
-        row_knobs = knobs([ctx.params[b] for b in rows.tolist() for _ in range(C)], device)
+        row_knobs = knobs([ctx.params[b] for b in rows.tolist()], device)
         generators = self.row_generators(ctx, rows.tolist())
         h = hidden[:, None, :]
         bias = head.recurrence_bias(h)
-        g0 = ctx.g0[:, None].expand(B, C)
-        state = head.step(head.initial_state((B, C), device=device), g0, bias)
-        tokens, q_rows, confidence = [g0], [], [torch.ones(B, C, device=device)]
+        state = head.step(head.initial_state((B, 1), device=device), ctx.g0[:, None], bias)  # s_1, every chain's
+        tokens, q_rows, confidence = [ctx.g0[:, None]], [], [torch.ones(B, 1, device=device)]
         # A row draws only the tokens its own budget keeps, so its stream never depends on
         # how deep the other rows of the batch let the chains go.
         budget = ctx.budget[rows].tolist()
+        distinct = torch.ones(len(rows), C, dtype=torch.bool, device=device)
         for j in range(L - 1):
-            logits = head.draft_logits(h, state)  # (B, C, N) float32 over the head's outputs
-            choice = logits.argmax(dim=-1)  # (B, C) output ids
-            probs = target_probs(logits[rows].flatten(0, 1), *row_knobs)  # (R * C, N) the sampling rows' q_j
-            reach = C if j + 1 < self.branch_L else 1  # chains still drawing at depth j + 1
-            kept = [i * C + c for i, b in enumerate(budget) if b > j + 1 for c in range(reach)]
-            if kept:
-                drawn = choice[rows].flatten()
-                drawn[kept] = sample(probs[kept], [generators[i // C] for i in kept])
-                choice[rows] = drawn.view(-1, C)
-            conf = torch.ones(B, C, device=device)  # q of each drawn / chosen token
-            conf[rows] = probs.gather(1, choice[rows].flatten()[:, None]).view(-1, C)
+            logits = head.draft_logits(h, state)  # (B, c, N) float32 over the head's outputs
+            probs = target_probs(logits[rows], *row_knobs)  # (R, c, N) the sampling rows' q_j
+            drawing = [i for i, b in enumerate(budget) if b > j + 1]
+            if j == 0 and C > 1:  # c = 1 here: every chain's s_1 is the same
+                choice, law, distinct = self.draw_distinct(logits[:, 0], probs[:, 0], rows, drawing, generators)
+            else:
+                choice, law = self.draw_along(logits, probs, rows, drawing, generators), probs
+            width = choice.shape[1]
+            conf = torch.ones(B, width, device=device)  # the marginal q_j of each drawn / chosen token
+            conf[rows] = probs.expand(-1, width, -1).gather(2, choice[rows, :, None])[:, :, 0]
             if len(greedy):  # a softmax only for the rows that need it, not the whole batch
-                conf[greedy] = logits[greedy].softmax(dim=-1).gather(2, choice[greedy, :, None])[:, :, 0]
+                conf[greedy] = logits[greedy].softmax(dim=-1).expand(-1, width, -1).gather(
+                    2, choice[greedy, :, None])[:, :, 0]
             token = choice if vocab is None else vocab.to_target(choice)
-            tokens.append(token), q_rows.append(probs.view(-1, C, probs.shape[-1])), confidence.append(conf)
-            state = head.step(state, token, bias)
-        beams = torch.stack(tokens, dim=2)  # (B, C, L)
+            tokens.append(token), q_rows.append(law), confidence.append(conf)
+            width = C if j + 2 < self.branch_L else 1  # chains still drawing at the next depth
+            if j + 1 < L - 1:
+                state = head.step(state.expand(-1, max(width, state.shape[1]), -1)[:, :width], token[:, :width], bias)
+        beams = torch.stack([chains_of(t, C) for t in tokens], dim=2)  # (B, C, L)
         valid = torch.ones_like(beams, dtype=torch.bool)
         valid[greedy, 1:] = False  # a greedy row's chains are all its argmax chain
         valid[:, 1:, self.branch_L:] = False
+        valid[rows, 1:] &= distinct[:, 1:, None]  # no token left to draw for that chain
         valid[:, :, 0] = True
-        return Proposal(beams=beams, valid=valid, q=self.chain_q(beams[:, :, 1:], rows, torch.stack(q_rows, dim=2)),
-                        confidence=torch.stack(confidence, dim=2))
+        q = torch.stack([chains_of(t, C) for t in q_rows], dim=2)  # (R, C, L - 1, N)
+        return Proposal(beams=beams, valid=valid, q=self.chain_q(beams[:, :, 1:], rows, q),
+                        confidence=torch.stack([chains_of(t, C) for t in confidence], dim=2))
+
+    def draw_distinct(self, logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor, drawing: list[int],
+                      generators: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first drafted tokens of C chains: logits (B, N) at depth 1, probs (R, N) the
+        sampling rows' q_1. Sampling rows listed in ``drawing`` draw C distinct tokens, one
+        after another from q_1 with the tokens already drawn removed (Gumbel-top-C's law,
+        by inverse CDF from the row's generator). Returns choice (B, C) output ids (argmax
+        where nothing was drawn), q (R, C, N) each chain's law given the earlier draws,
+        distinct (R, C) which chains drew a token (False once a row's q_1 has no mass left)."""
+        B, C, device = logits.shape[0], self.sample_C, logits.device
+        choice = logits.argmax(dim=-1)[:, None].repeat(1, C)
+        drawn, laws = choice[rows], []
+        distinct = torch.ones(len(rows), C, dtype=torch.bool, device=device)
+        weights = probs.clone()  # q_1 with the drawn tokens zeroed
+        for k in range(C):
+            mass = weights.sum(dim=-1, keepdim=True)
+            laws.append(weights / mass.clamp(min=torch.finfo(weights.dtype).tiny))
+            left = mass[:, 0].gt(0).tolist()
+            live = [i for i in drawing if left[i]]
+            distinct[[i for i in range(len(rows)) if not left[i]], k] = False
+            if live:
+                x = sample(weights[live], [generators[i] for i in live])
+                drawn[live, k] = x
+                weights[live, x] = 0.0
+        choice[rows] = drawn
+        return choice, torch.stack(laws, dim=1), distinct
+
+    def draw_along(self, logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor, drawing: list[int],
+                   generators: list) -> torch.Tensor:
+        """Each chain's next token: logits (B, c, N), probs (R, c, N) the sampling rows' q_j;
+        rows listed in ``drawing`` draw y ~ q_j per chain (chain by chain within a row), the
+        others take the argmax. Returns (B, c) output ids."""
+        c = logits.shape[1]
+        choice = logits.argmax(dim=-1)  # (B, c)
+        kept = [i * c + k for i in drawing for k in range(c)]
+        if kept:
+            drawn = choice[rows].flatten()
+            drawn[kept] = sample(probs.flatten(0, 1)[kept], [generators[i // c] for i in kept])
+            choice[rows] = drawn.view(-1, c)
+        return choice
 
     def chain_q(self, drafted: torch.Tensor, rows: torch.Tensor, q_rows: torch.Tensor) -> torch.Tensor:
         """(B, C, L - 1, V) float32 from the sampling rows' q over the head's outputs
