@@ -12,7 +12,7 @@ extracted from that file with its own feature layers (kept in DIR for the next c
 With ``--sampled T`` it also scores chains drawn from each head at temperature T
 (``fit_eval.sampled_acceptance``: per-depth sum_x min(p, q) and a one-chain τ estimate);
 score them on the target's answers sampled at T (``specdraft distill --temperatures T``);
-``--chains C`` adds the acceptance of one of 2..C independent draws at each depth.
+``--chains C`` adds the acceptance of one of 2..C draws without replacement at each depth.
 
 Prints one JSON line per head.
 """

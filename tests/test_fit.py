@@ -281,7 +281,7 @@ def test_fit_end_to_end_then_exact_and_walk_is_engine_tau(tiny_target_path, tiny
         assert cold[f"eval_tau_t0.0001_l{L}"] == pytest.approx(1 + float(streak[:, :L - 1].sum(1).mean()), abs=1e-3)
     warm = sampled_acceptance(held, objective, tiny_target, head.draft_vocab, 3, window=context, chains=3)
     assert all(0 < warm[f"eval_accept_t1_{i}"] < 1 for i in range(3))
-    for i in range(3):  # a second and third independent draw only add, never past 1
+    for i in range(3):  # a second and third draw only add, never past 1
         assert warm[f"eval_accept_t1_{i}"] < warm[f"eval_accept_t1_c2_{i}"] < warm[f"eval_accept_t1_c3_{i}"] <= 1
     assert 1 < warm["eval_tau_t1_l2"] < warm["eval_tau_t1_l3"] < warm["eval_tau_t1_l4"]
     for L in (2, 3, 4):
@@ -708,3 +708,46 @@ def test_bad_own_answer_options_are_one_line_errors(tiny_target_path, data, tmp_
     assert fit(tiny_target_path, data, tmp_path / "x", *argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("outside", [0.0, 0.2], ids=["full-vocab", "p-mass-outside"])
+def test_without_replacement_rates_match_enumeration(outside):
+    """The Monte Carlo rate of recursive rejection over c draws without replacement equals
+    the exact sum over every ordered draw (5 tokens, c = 2 and 3), also where p keeps mass
+    outside the draft vocabulary; and it beats c independent draws' rate."""
+    import itertools
+
+    from specdraft.train.fit_eval import without_replacement_rates
+
+    torch.manual_seed(0)
+    p = torch.softmax(torch.randn(3, 5) * 2, -1) * (1 - outside)
+    q = torch.softmax(torch.randn(3, 5) * 2, -1)
+
+    def exact(row: int, c: int) -> float:
+        total = 0.0
+        for draw in itertools.permutations(range(5), c):
+            left, chance, r, out, none = q[row].clone(), 1.0, p[row].clone(), outside, 1.0
+            for x in draw:
+                q_k = left / left.sum()
+                chance *= float(q_k[x])
+                none *= 1 - min(1.0, float(r[x] / q_k[x]))
+                residual = (r - q_k).clamp(min=0)
+                mass = float(residual.sum()) + out
+                r, out = residual / mass, out / mass
+                left[x] = 0.0
+            total += chance * (1 - none)
+        return total
+
+    found = without_replacement_rates(p, q, 3, torch.Generator().manual_seed(1), samples=40000)
+    for row in range(3):
+        for c in (2, 3):
+            assert float(found[row, c - 2]) == pytest.approx(exact(row, c), abs=0.01)
+        # i.i.d.: a_c = a_{c-1} + (1 - a_{c-1}) * sum min(r_c, q), r_c the residual
+        r, out, rate = p[row].clone(), outside, float(torch.minimum(p[row], q[row]).sum())
+        for c in (2, 3):
+            residual = (r - q[row]).clamp(min=0)
+            mass = float(residual.sum()) + out
+            r, out = residual / mass, out / mass
+            rate += (1 - rate) * float(torch.minimum(r, q[row]).sum())
+            assert exact(row, c) >= rate - 1e-6
+

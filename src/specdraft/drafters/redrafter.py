@@ -63,6 +63,19 @@ def chains_of(t: torch.Tensor, C: int) -> torch.Tensor:
     return t if t.shape[1] == C else t[:, :1].expand(t.shape[0], C, *t.shape[2:])
 
 
+def chosen_q(logits: torch.Tensor, probs: torch.Tensor, choice: torch.Tensor, rows: torch.Tensor,
+             greedy: torch.Tensor) -> torch.Tensor:
+    """(B, C) the marginal q_j of each chain's drawn / chosen token ``choice`` (B, C):
+    sampling rows ``rows`` from their q_j ``probs`` (R, c, N), greedy rows from the softmax
+    of ``logits`` (B, c, N); c is 1 where the chains share their state (depth 1)."""
+    width = choice.shape[1]
+    conf = torch.ones(choice.shape, device=choice.device)
+    conf[rows] = probs.expand(-1, width, -1).gather(2, choice[rows, :, None])[:, :, 0]
+    if len(greedy):  # a softmax only for the rows that need it, not the whole batch
+        conf[greedy] = logits[greedy].softmax(dim=-1).expand(-1, width, -1).gather(2, choice[greedy, :, None])[:, :, 0]
+    return conf
+
+
 def beam_confidence(result) -> torch.Tensor:
     """(B, W, L) per-token probabilities of a beam search's tokens (g0: 1)."""
     probs = result.token_logprobs.float().exp()
@@ -204,14 +217,8 @@ class ReDrafter(Drafter):
                 choice, law, distinct = self.draw_distinct(logits[:, 0], probs[:, 0], rows, drawing, generators)
             else:
                 choice, law = self.draw_along(logits, probs, rows, drawing, generators), probs
-            width = choice.shape[1]
-            conf = torch.ones(B, width, device=device)  # the marginal q_j of each drawn / chosen token
-            conf[rows] = probs.expand(-1, width, -1).gather(2, choice[rows, :, None])[:, :, 0]
-            if len(greedy):  # a softmax only for the rows that need it, not the whole batch
-                conf[greedy] = logits[greedy].softmax(dim=-1).expand(-1, width, -1).gather(
-                    2, choice[greedy, :, None])[:, :, 0]
             token = choice if vocab is None else vocab.to_target(choice)
-            tokens.append(token), q_rows.append(law), confidence.append(conf)
+            tokens.append(token), q_rows.append(law), confidence.append(chosen_q(logits, probs, choice, rows, greedy))
             width = C if j + 2 < self.branch_L else 1  # chains still drawing at the next depth
             if j + 1 < L - 1:
                 state = head.step(state.expand(-1, max(width, state.shape[1]), -1)[:, :width], token[:, :width], bias)

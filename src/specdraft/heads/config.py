@@ -100,9 +100,9 @@ class ReDrafterConfig(HeadConfig):
     sample_length: L of the chain drawn from the head for rows that sample (g0 counted);
     0: beam_length. A drawn token is accepted with probability sum_x min(p, q) rather than
     the beams' top-1 rate, so the best depth for sampling rows need not be the beams'.
-    sample_chains: how many chains sampling rows draw, independently from the same q
-    (verified together by recursive rejection: a second draw at a node is tried where the
-    first was rejected); 1: one chain. sample_branch_length: L of the chains after the
+    sample_chains: how many chains sampling rows draw, their first tokens drawn from q
+    without replacement (verified together by recursive rejection: a second chain's token
+    is tried where the first was rejected); 1: one chain. sample_branch_length: L of the chains after the
     first (g0 counted; 0: sample_length): where a target forward costs the same for a few
     more tree tokens, short extra chains add acceptance at the first depths for free."""
 

@@ -72,6 +72,36 @@ class CorpusEvaluator:
 
 
 @torch.no_grad()
+def without_replacement_rates(p: torch.Tensor, q: torch.Tensor, chains: int, generator: torch.Generator,
+                              samples: int = 8) -> torch.Tensor:
+    """(M, chains - 1): per row, the probability that one of c tokens drawn from q without
+    replacement is accepted by recursive rejection against p, for c = 2..chains.
+
+    p (M, N) the target's distribution over the draft vocabulary (its mass outside, 1 -
+    sum, stays in the residuals: q is zero there), q (M, N) the draft's. Given the drawn
+    tokens x_1..x_c the rate is exactly 1 - prod_k (1 - a_k), a_k = min(1, r_k(x_k) /
+    q_k(x_k)) (q_k: q without x_1..x_{k-1}, renormalised; r_1 = p, r_{k+1} = norm(max(0,
+    r_k - q_k))); the draws are ``samples`` per row by Gumbel-top-c (the law of drawing one
+    after another), so the mean is unbiased."""
+    M, N = q.shape
+    u = torch.rand(M, samples, N, generator=generator, device=q.device).clamp_(min=1e-20)
+    drawn = (q.log()[:, None] - (-u.log()).log()).topk(chains, dim=-1).indices  # (M, S, C) in draw order
+    r, outside = p[:, None].expand(M, samples, N), (1 - p.sum(-1))[:, None].expand(M, samples)
+    left = q[:, None].expand(M, samples, N).clone()  # q without the tokens drawn so far
+    rejected, rates = torch.ones(M, samples, device=q.device), []
+    for k in range(chains):
+        x = drawn[:, :, k:k + 1]
+        q_k = left / left.sum(-1, keepdim=True).clamp(min=1e-30)
+        rejected = rejected * (1 - (r.gather(2, x) / q_k.gather(2, x).clamp(min=1e-30)).clamp(max=1)[..., 0])
+        if k:
+            rates.append(1 - rejected.mean(1))
+        residual = (r - q_k).clamp(min=0)
+        mass = (residual.sum(-1) + outside).clamp(min=1e-30)  # normalised with the mass outside
+        r, outside = residual / mass[..., None], outside / mass
+        left = left.scatter(2, x, 0.0)
+    return torch.stack(rates, dim=1)
+
+
 def sampled_acceptance(corpus: Corpus, model, target, vocab: DraftVocab | None, K: int, temperature: float = 1.0,
                        batch: int = 512, window: int = 0, chains: int = 1) -> dict:
     """How often a chain *drawn* from the head would be accepted, teacher forced on a
@@ -85,14 +115,15 @@ def sampled_acceptance(corpus: Corpus, model, target, vocab: DraftVocab | None, 
     h_{t+1+i}). Returns the mean a_i per depth (``eval_accept_t{T}_{i}``) and a one-chain
     τ estimate per length L, 1 + mean_t sum_{k<L} prod_{i<k} a_i(t)
     (``eval_tau_t{T}_l{L}``; a depth without a label, past the answer's end, counts 0).
-    With ``chains`` C > 1 also the rate at which one of C independent draws from q_i is
-    accepted there (recursive rejection, ``acceptance.accept_chains_sampling``):
-    ``eval_accept_t{T}_c{c}_{i}`` for c = 2..C, by a_c = a_{c-1} + (1 - a_{c-1}) *
-    sum_x min(r_c(x), q(x)), r_c the residual left by the c - 1 rejections.
+    With ``chains`` C > 1 also the rate at which one of c draws from q_i *without
+    replacement* is accepted there, as the engine's chains are (recursive rejection,
+    ``acceptance.accept_chains_sampling``): ``eval_accept_t{T}_c{c}_{i}`` for c = 2..C
+    (``without_replacement_rates``, Monte Carlo over the draws, seeded).
     model: a ``train.heads.HeadObjective``; target: the ``models.Target``."""
     ids = None if vocab is None else vocab.ids().to(target.device)
     total, count, streaks, rows = np.zeros(K), np.zeros(K), np.zeros(K), 0
     several = np.zeros((max(chains - 1, 0), K))  # accepted with 2..C draws, summed per depth
+    generator = torch.Generator(device=target.device).manual_seed(0)  # the draws of the C > 1 estimate
     was = model.training
     model.eval()
     try:
@@ -109,13 +140,9 @@ def sampled_acceptance(corpus: Corpus, model, target, vocab: DraftVocab | None, 
                 p = (target.logits(states[:, i].to(target.device, target.dtype)).float() / temperature).softmax(-1)
                 p = p if ids is None else p[:, ids]  # q is zero outside the draft vocabulary
                 accept[:, i] = torch.minimum(p, q).sum(-1).cpu()
-                rate, outside = accept[:, i].to(p.device), 1 - p.sum(-1)  # p's mass outside the draft vocabulary
-                for c in range(chains - 1):  # one more independent draw, tried where all before were rejected
-                    left = (p - q).clamp(min=0)  # the residual, normalised with the mass outside (q is 0 there)
-                    mass = (left.sum(-1) + outside).clamp(min=1e-30)
-                    p, outside = left / mass[:, None], outside / mass
-                    rate = rate + (1 - rate) * torch.minimum(p, q).sum(-1)
-                    several[c, i] += float(rate.cpu()[valid[:, i]].sum())
+                if chains > 1:
+                    rates = without_replacement_rates(p, q, chains, generator).cpu()  # (M, C - 1)
+                    several[:, i] += rates[valid[:, i]].sum(0).double().numpy()
             accept = torch.where(valid, accept, torch.zeros_like(accept))
             total += accept.sum(0).numpy()
             count += valid.sum(0).numpy()
