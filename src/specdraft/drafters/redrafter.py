@@ -240,7 +240,7 @@ class ReDrafter(Drafter):
         by inverse CDF from the row's generator). Returns choice (B, C) output ids (argmax
         where nothing was drawn), q (R, C, N) each chain's law given the earlier draws,
         distinct (R, C) which chains drew a token (False once a row's q_1 has no mass left)."""
-        B, C, device = logits.shape[0], self.sample_C, logits.device
+        C, device = self.sample_C, logits.device
         choice = logits.argmax(dim=-1)[:, None].repeat(1, C)
         drawn, laws = choice[rows], []
         distinct = torch.ones(len(rows), C, dtype=torch.bool, device=device)
