@@ -186,8 +186,9 @@ def tiny6(tmp_path_factory):
     return load_target(str(target_path)), _noisy_copy(target_path, root / "draft", 6, scale=0.5, seed=4)
 
 
-@pytest.mark.parametrize("temperature,beam_width", [(0.7, 1), (1.0, 1), (1.0, 2)])
-def test_sampling_matches_target_distribution(tiny6, temperature, beam_width):
+@pytest.mark.parametrize("temperature,beam_width,sample_drafts", [(0.7, 1, True), (1.0, 1, True), (1.0, 2, True),
+                                                                  (1.0, 3, True), (1.0, 2, False)])
+def test_sampling_matches_target_distribution(tiny6, temperature, beam_width, sample_drafts):
     """Joint law of the first 4 sampled tokens vs the exact one, enumerated (6^4 cells).
 
     Sample size: 4000 rows (seeds 0..3999) in one batch. Cells with expected count < 5
@@ -205,6 +206,7 @@ def test_sampling_matches_target_distribution(tiny6, temperature, beam_width):
     params = [SamplingParams(max_new_tokens=n_tokens, temperature=temperature, top_p=0.9, seed=i,
                              ignore_eos=True) for i in range(n_rows)]
     drafter = DraftModelDrafter.load(draft_path, target, gamma=3, beam_width=beam_width)
+    drafter.sample_drafts = sample_drafts  # W chains drawn from q, or the beam search's W beams
     # Thousands of rows in one batch: no tree-token cap, or nothing would be drafted.
     results = SpeculativeEngine(target, drafter, max_tree_tokens=None).generate([prompt] * n_rows, params)
     V = target.vocab_size
@@ -214,7 +216,7 @@ def test_sampling_matches_target_distribution(tiny6, temperature, beam_width):
     exact = _exact_joint(target, prompt, n_tokens, params[0]).double()
     stat, df, pvalue = _chi_square(counts, n_rows * exact)
     steps = sum(r.steps for r in results)
-    print(f"T={temperature} W={beam_width}: chi2={stat:.1f} df={df} p={pvalue:.3f} "
+    print(f"T={temperature} W={beam_width} sampled={sample_drafts}: chi2={stat:.1f} df={df} p={pvalue:.3f} "
           f"target steps per row {steps / n_rows:.2f}")
     assert pvalue > 1e-3, (stat, df, pvalue)
     # Speculation really happened: fewer target steps than tokens, yet not all accepted.
@@ -227,6 +229,49 @@ def test_sampling_matches_target_distribution(tiny6, temperature, beam_width):
     noncentral = n_rows * float(((q[support] - exact[support]) ** 2 / exact[support]).sum())
     print(f"  draft law: expected excess statistic {noncentral:.0f}")
     assert noncentral > 10 * df
+
+
+def test_sampling_rows_draw_chains_without_replacement(tiny):
+    """W = 3 at T > 0: a sampling row's three first tokens are distinct, each reported with
+    q_1 minus the earlier chains' tokens (renormalised); each chain's next token's q is the
+    draft's own given that chain's path; a greedy row in the same batch keeps the beam
+    search's beams, as does every row with ``sample_drafts`` False (q None)."""
+    from specdraft.drafters.base import DraftContext
+
+    target, drafts, _ = tiny
+    prompt, V = [3, 5, 7, 2], 16
+    ctx = DraftContext(tokens=[torch.tensor(prompt + [g]) for g in (4, 6)], g0=torch.tensor([4, 6]),
+                       hidden=torch.zeros(2, 1), budget=torch.full((2,), 8), greedy=torch.tensor([False, True]),
+                       request_ids=[0, 1], params=[SamplingParams(temperature=1.5, seed=3), SamplingParams()])
+    drafter = DraftModelDrafter.load(drafts["noisy"], target, gamma=2, beam_width=3)
+    drafter.start(ctx)
+    chains = drafter.propose(ctx)
+    assert chains.beams.shape == (2, 3, 3) and chains.q.shape == (2, 3, 2, V) and chains.valid.all()
+    first, q = chains.beams[0, :, 1], chains.q[0]
+    assert len(set(first.tolist())) == 3
+    left = q[0, 0].clone()
+    for k in range(1, 3):
+        left[first[k - 1]] = 0.0
+        assert torch.allclose(q[k, 0], left / left.sum()) and q[k, 0, first[:k]].eq(0).all()
+    model = drafter.draft.model
+    knobs_ = (torch.tensor([1.5]), torch.tensor([0]), torch.tensor([1.0]))
+    with torch.no_grad():
+        root = model(torch.tensor([prompt + [4]])).logits[:, -1]
+        assert torch.allclose(q[0, 0], target_probs(root, *knobs_)[0], atol=1e-5)
+        for k in range(3):  # chain k's q_2: the draft's law after its own first token
+            logits = model(torch.tensor([prompt + [4, int(first[k])]])).logits[:, -1]
+            assert torch.allclose(q[k, 1], target_probs(logits, *knobs_)[0], atol=1e-5)
+            assert q[k, 1, chains.beams[0, k, 2]] > 0
+    beams = DraftModelDrafter.load(drafts["noisy"], target, gamma=2, beam_width=3)
+    beams.sample_drafts = False
+    beams.start(ctx)
+    deterministic = beams.propose(ctx)
+    assert deterministic.q is None and torch.equal(deterministic.beams[1], chains.beams[1])
+    one_token = SamplingParams(temperature=1.0, top_k=1, seed=3)  # q_1 holds one token: one live chain
+    ctx.params[0] = one_token
+    drafter.start(ctx)
+    single = drafter.propose(ctx)
+    assert single.valid[0, 0].all() and not single.valid[0, 1:, 1:].any() and single.valid[0, 1:, 0].all()
 
 
 # ---- 3. load errors: one line each, naming what is wrong ---------------------------------

@@ -261,20 +261,24 @@ def test_int8_redrafter_sampled_chain_matches_exact_law(target):
     assert steps < K, "drafts were never accepted: the case tests nothing"
 
 
-@pytest.mark.parametrize("beam_width", [1, 2], ids=["sampled-chain", "beam-search"])
-def test_draft_model_with_a_draft_vocabulary_matches_exact_law(target, tmp_path, beam_width):
+@pytest.mark.parametrize("beam_width,sample_drafts", [(1, True), (2, False), (3, True)],
+                         ids=["sampled-chain", "beam-search", "3-chains-without-replacement"])
+def test_draft_model_with_a_draft_vocabulary_matches_exact_law(target, tmp_path, beam_width, sample_drafts):
     """An independent draft model whose draft vocabulary leaves out tokens the target samples
     (1 and 4): a sampled chain reports q (zero outside the vocabulary) for speculative
-    sampling, a beam search gives deterministic candidates for recursive rejection."""
+    sampling; three chains, their first tokens drawn without replacement (top-p often leaves
+    fewer than three: then the extra chains are dropped), for recursive rejection without
+    replacement; a beam search gives deterministic candidates for recursive rejection."""
     from specdraft.drafters.draft_model import DraftModelDrafter
     from specdraft.vocab import DraftVocab
 
     draft = load_target(str(make_tiny_llama(tmp_path / "draft6", vocab_size=V, seed=2)), dtype="float32").model
     vocab = DraftVocab(4, V)
     vocab.set_ids(torch.tensor([0, 2, 3, 5]))
-    drafter_fn = lambda t: DraftModelDrafter(draft, gamma=3, beam_width=beam_width, vocab=vocab)  # noqa: E731
+    drafter_fn = lambda t: DraftModelDrafter(draft, gamma=3, beam_width=beam_width, vocab=vocab,  # noqa: E731
+                                             sample_drafts=sample_drafts)
     res, steps = sample_case(target, drafter_fn, SamplingParams(**T1), N_ROWS)
-    print(f"draft model, draft vocabulary, W={beam_width}: {res} steps/row={steps:.2f}")
+    print(f"draft model, draft vocabulary, W={beam_width} sampled={sample_drafts}: {res} steps/row={steps:.2f}")
     assert res.p_value > ALPHA, res
     assert steps < K, "drafts were never accepted: the case tests nothing"
 

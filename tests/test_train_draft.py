@@ -301,7 +301,9 @@ def test_a_draft_borrowing_the_targets_embeddings_stores_only_its_own_layers(tin
                 == tiny_target.model.get_input_embeddings().weight.data_ptr())
     assert drafter.num_parameters == meta["parameters"]
     logits = drafter._logits(torch.randn(5, tiny_target.hidden_size))
-    assert torch.equal(torch.isfinite(logits), drafter.vocab.t2d.expand(5, -1))  # only the 8 draft tokens
+    assert logits.shape == (5, 8)  # only the 8 draft tokens' rows are multiplied...
+    widened = drafter._widen(logits.softmax(dim=-1))  # ...and a q over them is zero elsewhere
+    assert torch.equal(widened > 0, drafter.vocab.t2d.expand(5, -1))
     assert greedy(tiny_target, drafter) == greedy(tiny_target, NoDrafter())
     # The layer trained (the run did something) while the borrowed matrices did not move.
     trained, _ = load_draft(final, tiny_target)

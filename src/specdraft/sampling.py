@@ -130,6 +130,59 @@ def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> tor
     return (kb * SAMPLE_BLOCK + torch.minimum(ki, last)).clamp_max(V - 1)
 
 
+def draw_distinct(logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor, drawing: list[int],
+                  generators: list, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first drafted tokens of ``count`` chains: logits (B, N), probs (R, N) the sampling
+    rows' (``rows``, batch indices) q_1. Rows listed in ``drawing`` (indices into ``rows``)
+    draw ``count`` distinct tokens, one after another from q_1 with the tokens already drawn
+    removed (Gumbel-top-k's law, by inverse CDF from the row's generator ``generators[i]``).
+
+    Returns choice (B, count): the drawn tokens, the argmax where nothing was drawn; q (R,
+    count, N): each chain's law given the earlier chains' tokens (what recursive rejection
+    without replacement needs, ``acceptance.accept_chains_sampling``); distinct (R, count):
+    which chains drew a token (False once a row's q_1 has no mass left, e.g. top-k = 1).
+
+    Example: q_1 = [0.5, 0.3, 0.2], count 2, chain 0 draws token 1: chain 1's law is
+    [0.5, 0, 0.2] / 0.7.
+
+    Sequential draws keep each row's stream inverse-CDF draws (``sample``). A Gumbel-top-k
+    draw (one topk over float64 keys q / E, E ~ Exp(1)) was measured too, 3 chains on this
+    CPU: 0.38 against 0.65 ms over N = 8192, 1.98 against 1.12 ms over V = 49152 (the float64
+    logs): not worth a second way to draw."""
+    device = logits.device
+    choice = logits.argmax(dim=-1)[:, None].repeat(1, count)
+    drawn, laws = choice[rows], []
+    distinct = torch.ones(len(rows), count, dtype=torch.bool, device=device)
+    weights = probs.clone()  # q_1 with the drawn tokens zeroed
+    for k in range(count):
+        mass = weights.sum(dim=-1, keepdim=True)
+        laws.append(weights / mass.clamp(min=torch.finfo(weights.dtype).tiny))
+        left = mass[:, 0].gt(0).tolist()
+        live = [i for i in drawing if left[i]]
+        distinct[[i for i in range(len(rows)) if not left[i]], k] = False
+        if live:
+            x = sample(weights[live], [generators[i] for i in live])
+            drawn[live, k] = x
+            weights[live, x] = 0.0
+    choice[rows] = drawn
+    return choice, torch.stack(laws, dim=1), distinct
+
+
+def draw_along(logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor, drawing: list[int],
+               generators: list) -> torch.Tensor:
+    """Each chain's next token: logits (B, c, N), probs (R, c, N) the sampling rows' q_j;
+    rows listed in ``drawing`` (indices into ``rows``) draw y ~ q_j per chain, chain by chain
+    within a row, from ``generators[i]``; the others take the argmax. Returns (B, c) ids."""
+    c = logits.shape[1]
+    choice = logits.argmax(dim=-1)  # (B, c)
+    kept = [i * c + k for i in drawing for k in range(c)]
+    if kept:
+        drawn = choice[rows].flatten()
+        drawn[kept] = sample(probs.flatten(0, 1)[kept], [generators[i // c] for i in kept])
+        choice[rows] = drawn.view(-1, c)
+    return choice
+
+
 def offset_generator(seed: int | None, offset: int, device) -> torch.Generator:
     """A drafter's own generator for a request seeded ``seed``: seeded seed + ``offset``
     (mod 2**64, torch's range), so its draws differ from the target's; random if None."""

@@ -3,14 +3,19 @@
 Each step the draft proposes, per row, beams (B, W, D+1) = [g0, d1..dD] with
 D = min(gamma, budget - 1):
 
-- W == 1 (a chain): greedy rows take the draft's argmax; sampling rows draw d_j from
-  q_j = sampling.target_probs(draft logits) at the row's own temperature/top-k/top-p, with
-  a per-row generator, and the proposal reports q (B, 1, D, V) so that the engine runs
-  standard speculative sampling (exact for any q).
-- W > 1 (a deterministic tree): a beam search of width W over the draft's log-probs.
-  Candidates are deterministic (q is None); the engine verifies them by recursive
-  rejection, which is exact under sampling too. Shared prefixes are deduplicated by the
-  engine's tree packing.
+- Greedy rows: a beam search of width W over the draft's log-probs (W = 1: the argmax
+  chain). Shared prefixes are deduplicated by the engine's tree packing.
+- Sampling rows (``sample_drafts``, the default): W chains drawn from the draft's own
+  q_j = sampling.target_probs(draft logits) at the row's temperature/top-k/top-p, with a
+  per-row generator. The W first tokens are distinct, drawn one after another without
+  replacement from q_1 (chain k reports q_1 without chains 0..k-1's tokens, renormalised);
+  deeper, each chain draws d_j from q_j given its own path. The proposal reports q
+  (B, W, D, V): one chain is verified by speculative sampling, several by recursive
+  rejection without replacement (``acceptance.accept_chains_sampling``); both exact for any
+  q. A beam is a poor proposal under sampling: accepted with probability p(x) for its token
+  x, where a drawn token is accepted with sum_x min(p(x), q(x)).
+  With ``sample_drafts`` False, sampling rows get the beams too (deterministic candidates,
+  q None, recursive rejection: exact as well).
 
 Draft KV cache (a ``CompactCache``; invariants per row b):
 - slots [0, lengths[b]) hold the draft's keys/values of ``ids[b, :lengths[b]]``, which is
@@ -42,7 +47,7 @@ from .. import fastpath
 from ..cache import CompactCache
 from ..errors import SpecdraftError
 from ..models import Target, parameter_count  # re-exported: tests and users import it here
-from ..sampling import knobs, offset_generator, sample, target_probs
+from ..sampling import draw_along, draw_distinct, knobs, offset_generator, target_probs
 from ..vocab import DraftVocab
 from .base import DraftContext, Drafter, Proposal, check_shapes
 from .draft_folder import load_draft_folder, shared_parameters
@@ -63,8 +68,10 @@ class DraftModelDrafter(Drafter):
     acceptance_prior = 0.6
 
     def __init__(self, model: torch.nn.Module, gamma: int = DEFAULT_GAMMA, beam_width: int = 1,
-                 tokenizer=None, name: str = "draft model", vocab: DraftVocab | None = None):
+                 tokenizer=None, name: str = "draft model", vocab: DraftVocab | None = None,
+                 sample_drafts: bool = True):
         check_shapes(beam_width=beam_width, gamma=gamma)
+        self.sample_drafts = sample_drafts  # False: sampling rows get the beam search's beams too
         self.draft = Target(model=model, tokenizer=tokenizer, name=name)
         self.gamma, self.W = gamma, min(beam_width, vocab.size if vocab is not None else self.draft.vocab_size)
         # Parameters the draft adds: embeddings shared with the target cost nothing.
@@ -87,7 +94,8 @@ class DraftModelDrafter(Drafter):
         model, tokenizer, cfg, vocab = load_draft_folder(path, target, target.dtype)
         # Shapes not given fall back to what `specdraft sweep` recorded in the config.
         return cls(model, gamma=gamma or cfg.get("gamma") or DEFAULT_GAMMA, beam_width=beam_width or cfg.get("beam_width") or 1,
-                   tokenizer=tokenizer if tokenizer is not None else target.tokenizer, name=str(path), vocab=vocab)
+                   tokenizer=tokenizer if tokenizer is not None else target.tokenizer, name=str(path), vocab=vocab,
+                   sample_drafts=cfg.get("sample_drafts", True))
 
     # ---- the drafter protocol -----------------------------------------------------------
 
@@ -123,10 +131,10 @@ class DraftModelDrafter(Drafter):
         return self.gamma
 
     def may_sample_drafts(self) -> bool:
-        return self.W == 1 and self.gamma > 0
+        return self.sample_drafts and self.gamma > 0
 
     def samples_drafts(self, ctx: DraftContext) -> bool:
-        """A chain (W = 1) with sampling rows and room to draft: drafts drawn from q."""
+        """Sampling rows and room to draft: their drafts drawn from q (``_draft_tree``)."""
         return self.may_sample_drafts() and int(ctx.budget.max()) > 1 and not bool(ctx.greedy.all())
 
     @torch.no_grad()
@@ -139,12 +147,12 @@ class DraftModelDrafter(Drafter):
                                  f"({self.draft.max_context}); use a draft with a longer context")
         depth = min(self.gamma, int(ctx.budget.max()) - 1, self.draft.max_context - longest)
         root_logits = self._catch_up(ctx.tokens)
-        beams, q, slots, confidence = self._draft_tree(root_logits, ctx, max(depth, 0))
+        beams, q, slots, confidence, live = self._draft_tree(root_logits, ctx, max(depth, 0))
         # The tree's entries stay in the buffer past the width until observe commits some.
         self.cache.truncate(self.cache.lengths)
         self.pending = {"beams": beams, "slots": slots}
         steps = torch.arange(beams.shape[2], device=beams.device)
-        valid = (steps[None, None, :] < ctx.budget[:, None, None]).expand_as(beams)
+        valid = (steps[None, None, :] < ctx.budget[:, None, None]) & (live[:, :, None] | (steps == 0))
         return Proposal(beams=beams, valid=valid, q=q, confidence=confidence)
 
     @torch.no_grad()
@@ -188,8 +196,8 @@ class DraftModelDrafter(Drafter):
     # ---- internals ----------------------------------------------------------------------
 
     def _catch_up(self, tokens: list[torch.Tensor]) -> torch.Tensor:
-        """Sync the cache with each row's history, g0 included; return (B, V) draft logits
-        after g0. Rows feed different numbers of tokens (right-padded, at least 1)."""
+        """Sync the cache with each row's history, g0 included; return (B, N) draft logits
+        (``_logits``) after g0. Rows feed different numbers of tokens (right-padded, at least 1)."""
         cache, device = self.cache, self.ids.device
         B = len(tokens)
         sizes = [len(t) for t in tokens]
@@ -216,26 +224,26 @@ class DraftModelDrafter(Drafter):
         return self._logits(hidden[torch.arange(B, device=device), n_new - 1])
 
     def _draft_tree(self, logits: torch.Tensor, ctx: DraftContext, depth: int):
-        """Draft ``depth`` levels of W beams from the root logits (B, V).
+        """Draft ``depth`` levels of W beams from the root logits (B, N) (``_logits``).
 
-        Returns beams (B, W, depth+1) with g0 first, q (B, 1, depth, V) or None, slots
-        (B, W, depth-1): for each beam, the offsets (from the committed width) where its
-        drafts d1..d_{depth-1} were cached, and confidence (B, W, depth+1): the draft's
-        probability of each token given its beam's earlier ones (g0: 1).
+        Returns beams (B, W, depth+1) with g0 first; q (B, W, depth, V) (sampling rows' laws,
+        ``_Draws``) or None; slots (B, W, depth-1): for each beam, the offsets (from the
+        committed width) where its drafts d1..d_{depth-1} were cached; confidence (B, W,
+        depth+1): the draft's probability of each token given its beam's earlier ones (g0:
+        1); live (B, W): False for a sampling row's chain that found no token left to draw.
         """
         cache, W = self.cache, self.W
         B, device = logits.shape[0], logits.device
         g0 = ctx.g0[:, None, None].expand(B, W, 1)
+        live = torch.ones(B, W, dtype=torch.bool, device=device)
         if depth == 0:
-            return g0, None, torch.zeros(B, W, 0, dtype=torch.long, device=device), torch.ones(B, W, 1, device=device)
-        sampling = [b for b, g in enumerate(ctx.greedy.tolist()) if not g] if W == 1 else []
+            return g0, None, torch.zeros(B, W, 0, dtype=torch.long, device=device), torch.ones(B, W, 1, device=device), live
+        draws = _Draws.of(ctx, self.generators) if self.samples_drafts(ctx) else None
         base, width = cache.lengths.clone(), cache.width  # g0 sits at position base - 1
-        score = torch.zeros(B, W, device=device)
-        # A row draws only the tokens its own budget keeps: its stream stays its own.
-        budget = ctx.budget.tolist()
-        tokens, parent, score, q_j = self._choose(logits[:, None], score, ctx, sampling,
-                                                  [b for b in sampling if budget[b] > 1], first=True)
-        paths = tokens[:, :, None]
+        tokens, parent, score, q_j, distinct = self._choose(logits[:, None], torch.zeros(B, 1, device=device), draws, 0)
+        if distinct is not None:
+            live[draws.rows] = distinct
+        paths = self._to_target(tokens)[:, :, None]  # target ids: fed to the draft, verified
         confs = _token_probs(logits[:, None], tokens, parent)
         slots = torch.zeros(B, W, 0, dtype=torch.long, device=device)
         ancestry = torch.zeros(B, W, 0, dtype=torch.bool, device=device)
@@ -251,53 +259,68 @@ class DraftModelDrafter(Drafter):
             # contiguous: a compiled draft (``compile``) specialises on strides
             hidden = self.draft.forward(paths[:, :, -1].contiguous(), positions.contiguous(), mask, cache)
             level_logits = self._logits(hidden)
-            tokens, parent, score, q_j = self._choose(level_logits, score, ctx, sampling,
-                                                      [b for b in sampling if budget[b] > level + 1])
+            tokens, parent, score, q_j, _ = self._choose(level_logits, score, draws, level)
             slots = torch.cat([slots, own.expand(B, W)[:, :, None]], dim=2)
             slots, paths, ancestry, confs = (x.gather(1, parent[:, :, None].expand(-1, -1, x.shape[2]))
                                              for x in (slots, paths, ancestry, confs))
-            paths = torch.cat([paths, tokens[:, :, None]], dim=2)
+            paths = torch.cat([paths, self._to_target(tokens)[:, :, None]], dim=2)
             confs = torch.cat([confs, _token_probs(level_logits, tokens, parent)], dim=2)
             qs.append(q_j)
         cache.width = width
-        q = torch.stack(qs, dim=1)[:, None] if sampling else None  # (B, 1, depth, V): one chain
+        q = self._widen(torch.stack(qs, dim=2)) if draws is not None else None  # (B, W, depth, V)
         confidence = torch.nn.functional.pad(confs, (1, 0), value=1.0)
-        return torch.cat([g0, paths], dim=2), q, slots, confidence
+        return torch.cat([g0, paths], dim=2), q, slots, confidence, live
 
-    def _choose(self, logits: torch.Tensor, score: torch.Tensor, ctx: DraftContext,
-                sampling: list[int], drawing: list[int], first: bool = False):
-        """Next tokens from draft logits (B, W, V): (tokens (B, W), parents (B, W), scores
-        (B, W), q (B, V) for a chain with sampling rows, else None). Rows in ``drawing`` (of
-        ``sampling``) draw their token from q; the other rows take the argmax."""
-        B, W, V = logits.shape[0], self.W, logits.shape[-1]
-        if W > 1:  # beam search on cumulative log-probs; the root has one parent
-            total = score[:, :, None] + logits.log_softmax(dim=-1)
-            total = total[:, :1] if first else total
-            score, flat = total.flatten(1).topk(W, dim=1)
-            return flat % V, flat // V, score, None
-        logits = logits[:, 0]
-        tokens = logits.argmax(dim=-1)
-        q = None
-        if sampling:
-            idx = torch.tensor(sampling, device=logits.device)
-            q_rows = target_probs(logits[idx], *knobs([ctx.params[b] for b in sampling], logits.device))
-            if drawing:
-                chosen = set(drawing)
-                keep = torch.tensor([i for i, b in enumerate(sampling) if b in chosen], device=logits.device)
-                tokens[idx[keep]] = sample(q_rows[keep], [self.generators[b] for b in drawing])
-            # Greedy rows: a point mass on their argmax (unused: they are verified greedily).
-            q = torch.nn.functional.one_hot(tokens, V).float()
-            q[idx] = q_rows
-        zeros = torch.zeros(B, 1, dtype=torch.long, device=logits.device)
-        return tokens[:, None], zeros, score, q
+    def _choose(self, logits: torch.Tensor, score: torch.Tensor, draws: "_Draws | None", level: int):
+        """Level ``level``'s tokens (output ids) from draft logits (B, w, N) (w = 1 at the
+        root, else W).
+
+        Every row first takes a beam search's step (the top W of cumulative log-probs; W = 1:
+        the argmax). Then the sampling rows (``draws``) replace theirs: at the root W distinct
+        tokens drawn without replacement from q_1 (``sampling.draw_distinct``; one draw for
+        W = 1), deeper one draw per chain from its own q_j (``sampling.draw_along``), each
+        chain its own parent. Returns tokens (B, W), parent (B, W), score (B, W), q (B, W, N)
+        (the sampling rows' laws; a point mass on the chosen token elsewhere, never read: greedy
+        rows are verified greedily) or None, and at the root distinct (R, W) or None."""
+        B, w, N = logits.shape
+        W = self.W
+        total = (score[:, :w, None] + logits.log_softmax(dim=-1)).flatten(1) if W > 1 else logits[:, 0]
+        score, flat = total.topk(W, dim=1)
+        tokens, parent = flat % N, flat // N
+        if draws is None:
+            return tokens, parent, score, None, None
+        rows, drawing = draws.rows, draws.drawing(level)
+        probs = target_probs(logits[rows], *draws.knobs)  # (R, w, N) the sampling rows' q
+        distinct = None
+        if level == 0 and W > 1:
+            chosen, law, distinct = draw_distinct(logits[:, 0], probs[:, 0], rows, drawing, draws.generators, W)
+        else:
+            chosen, law = draw_along(logits, probs, rows, drawing, draws.generators), probs
+        tokens[rows] = chosen[rows]
+        parent[rows] = torch.arange(W, device=logits.device) if w > 1 else 0  # the root: one parent
+        q = torch.nn.functional.one_hot(tokens, N).float()
+        q[rows] = law
+        return tokens, parent, score, q, distinct
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., d) -> (..., V) float32 draft logits; with a draft vocabulary, -inf outside it
-        (an ordinary distribution over V that is zero there: acceptance stays exact)."""
+        """(..., d) -> (..., N) float32 logits over the draft's N outputs: its draft
+        vocabulary's ids (``_to_target`` maps them back), else the whole vocabulary (N = V).
+        The beam search and the draws work over N; q is widened to V once (``_widen``)."""
         if self.vocab is None:
             return self.draft.logits(hidden)
         with fastpath.active():  # the target's fast layout; this drafter keeps the rows' packed copy
-            return self.vocab.scatter(fastpath.linear(hidden, self.rows, holder=self))
+            return fastpath.linear(hidden, self.rows, holder=self).float()
+
+    def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Output ids (any shape) -> target token ids."""
+        return ids if self.vocab is None else self.vocab.to_target(ids)
+
+    def _widen(self, q: torch.Tensor) -> torch.Tensor:
+        """(..., N) -> (..., V): a distribution over V that is zero outside the draft vocabulary
+        (acceptance stays exact: the target's tokens outside it are simply never proposed)."""
+        if self.vocab is None:
+            return q
+        return q.new_zeros(*q.shape[:-1], self.draft.vocab_size).index_copy_(-1, self.vocab.ids(), q)
 
     def _reserve(self, columns: int) -> None:
         """Make ``ids`` at least ``columns`` wide."""
@@ -317,10 +340,30 @@ class DraftModelDrafter(Drafter):
 
 def _token_probs(logits: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
     """(B, W, 1) draft probability (temperature 1) of each chosen token under its parent's
-    logits (B, w, V): adaptive drafting's confidence (never used for acceptance)."""
+    logits (B, w, N): adaptive drafting's confidence (never used for acceptance)."""
     logits = logits.float()
     V = logits.shape[-1]
     # exp(chosen logit - its row's logsumexp): only the chosen entries are gathered, never a
     # whole (B, W, V) copy of the parents' rows (a third of a small draft's call otherwise).
     chosen = logits.flatten(1).gather(1, parent * V + tokens)  # (B, W)
     return (chosen - logits.logsumexp(dim=-1).gather(1, parent)).exp()[:, :, None]
+
+
+class _Draws:
+    """A step's sampling rows: batch indices ``rows`` (R,), their sampling ``knobs``, their
+    generators and budgets. A row draws only the tokens its own budget keeps, so its stream
+    never depends on how deep the other rows of the batch let the tree go."""
+
+    def __init__(self, rows: torch.Tensor, knobs_, generators: list, budget: list[int]):
+        self.rows, self.knobs, self.generators, self.budget = rows, knobs_, generators, budget
+
+    @classmethod
+    def of(cls, ctx: DraftContext, generators: list) -> "_Draws":
+        rows = (~ctx.greedy).nonzero().flatten()
+        index = rows.tolist()
+        return cls(rows, knobs([ctx.params[b] for b in index], rows.device), [generators[b] for b in index],
+                   ctx.budget[rows].tolist())
+
+    def drawing(self, level: int) -> list[int]:
+        """Indices into ``rows`` of the rows whose budget keeps level ``level``'s token."""
+        return [i for i, b in enumerate(self.budget) if b > level + 1]

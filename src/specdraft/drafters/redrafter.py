@@ -34,7 +34,7 @@ import torch
 from .. import fastpath, int8
 from ..heads.beam_search import redrafter_beam_search
 from ..heads.model import ReDrafterHead
-from ..sampling import knobs, offset_generator, sample, target_probs
+from ..sampling import draw_along, draw_distinct, knobs, offset_generator, target_probs
 from .base import DraftContext, Drafter, Proposal, check_shapes
 
 DRAFT_SEED_OFFSET = 0x5EED_4EAD  # the head's stream differs from the target's, same seed
@@ -214,9 +214,9 @@ class ReDrafter(Drafter):
             probs = target_probs(logits[rows], *row_knobs)  # (R, c, N) the sampling rows' q_j
             drawing = [i for i, b in enumerate(budget) if b > j + 1]
             if j == 0 and C > 1:  # c = 1 here: every chain's s_1 is the same
-                choice, law, distinct = self.draw_distinct(logits[:, 0], probs[:, 0], rows, drawing, generators)
+                choice, law, distinct = draw_distinct(logits[:, 0], probs[:, 0], rows, drawing, generators, C)
             else:
-                choice, law = self.draw_along(logits, probs, rows, drawing, generators), probs
+                choice, law = draw_along(logits, probs, rows, drawing, generators), probs
             token = choice if vocab is None else vocab.to_target(choice)
             tokens.append(token), q_rows.append(law), confidence.append(chosen_q(logits, probs, choice, rows, greedy))
             width = C if j + 2 < self.branch_L else 1  # chains still drawing at the next depth
@@ -231,46 +231,6 @@ class ReDrafter(Drafter):
         q = torch.stack([chains_of(t, C) for t in q_rows], dim=2)  # (R, C, L - 1, N)
         return Proposal(beams=beams, valid=valid, q=self.chain_q(beams[:, :, 1:], rows, q),
                         confidence=torch.stack([chains_of(t, C) for t in confidence], dim=2))
-
-    def draw_distinct(self, logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor, drawing: list[int],
-                      generators: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The first drafted tokens of C chains: logits (B, N) at depth 1, probs (R, N) the
-        sampling rows' q_1. Sampling rows listed in ``drawing`` draw C distinct tokens, one
-        after another from q_1 with the tokens already drawn removed (Gumbel-top-C's law,
-        by inverse CDF from the row's generator). Returns choice (B, C) output ids (argmax
-        where nothing was drawn), q (R, C, N) each chain's law given the earlier draws,
-        distinct (R, C) which chains drew a token (False once a row's q_1 has no mass left)."""
-        C, device = self.sample_C, logits.device
-        choice = logits.argmax(dim=-1)[:, None].repeat(1, C)
-        drawn, laws = choice[rows], []
-        distinct = torch.ones(len(rows), C, dtype=torch.bool, device=device)
-        weights = probs.clone()  # q_1 with the drawn tokens zeroed
-        for k in range(C):
-            mass = weights.sum(dim=-1, keepdim=True)
-            laws.append(weights / mass.clamp(min=torch.finfo(weights.dtype).tiny))
-            left = mass[:, 0].gt(0).tolist()
-            live = [i for i in drawing if left[i]]
-            distinct[[i for i in range(len(rows)) if not left[i]], k] = False
-            if live:
-                x = sample(weights[live], [generators[i] for i in live])
-                drawn[live, k] = x
-                weights[live, x] = 0.0
-        choice[rows] = drawn
-        return choice, torch.stack(laws, dim=1), distinct
-
-    def draw_along(self, logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor, drawing: list[int],
-                   generators: list) -> torch.Tensor:
-        """Each chain's next token: logits (B, c, N), probs (R, c, N) the sampling rows' q_j;
-        rows listed in ``drawing`` draw y ~ q_j per chain (chain by chain within a row), the
-        others take the argmax. Returns (B, c) output ids."""
-        c = logits.shape[1]
-        choice = logits.argmax(dim=-1)  # (B, c)
-        kept = [i * c + k for i in drawing for k in range(c)]
-        if kept:
-            drawn = choice[rows].flatten()
-            drawn[kept] = sample(probs.flatten(0, 1)[kept], [generators[i // c] for i in kept])
-            choice[rows] = drawn.view(-1, c)
-        return choice
 
     def chain_q(self, drafted: torch.Tensor, rows: torch.Tensor, q_rows: torch.Tensor) -> torch.Tensor:
         """(B, C, L - 1, V) float32 from the sampling rows' q over the head's outputs
