@@ -26,7 +26,7 @@ from specdraft.drafters import LookupDrafter, NoDrafter
 from specdraft.drafters.base import DraftContext, Drafter, Proposal
 from specdraft.engine import SpeculativeEngine
 from specdraft.sampling import SamplingParams
-from specdraft.tree import children_confidence, prefix_owner
+from specdraft.tree import children_confidence, node_values, prefix_owner, row_owners, row_ranks
 from stats import g_test
 
 LINEAR = CostModel([1, 2, 4, 8, 16, 32, 64], [1.0 + 0.1 * (t - 1) for t in [1, 2, 4, 8, 16, 32, 64]])
@@ -228,6 +228,71 @@ def test_chain_path_matches_the_general_path():
             got = children_confidence(owner[:, :1], valid[:, None, :], confidence, beam)
             want = children_confidence(owner, twin.valid, twin.confidence, beam)
             assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(-1), want.nan_to_num(-1)), case
+
+
+def random_tree_proposals(g: torch.Generator, cases: int):
+    """Random (beams, prefix-closed valid) of 1-4 rows, 2-5 beams of 2-5 tokens over a
+    3-token alphabet, so that beams often share prefixes."""
+    for _ in range(cases):
+        B, W, L = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 5), (2, 6), (2, 6)))
+        beams = torch.randint(0, 3, (B, W, L), generator=g)
+        beams[:, :, 0] = 7  # one root per row
+        lengths = torch.randint(1, L + 1, (B, W), generator=g)
+        yield beams, torch.arange(L)[None, None, :] < lengths[:, :, None]
+
+
+def test_row_owners_and_ranks_match_the_tensor_geometry():
+    """The host tree geometry (``row_owners``) is ``prefix_owner``'s, and ``row_ranks``
+    counts each node's distinct earlier siblings."""
+    g = torch.Generator().manual_seed(3)
+    for beams, valid in random_tree_proposals(g, 300):
+        owner = prefix_owner(beams, valid)
+        for b in range(beams.shape[0]):
+            rows = row_owners(beams[b].tolist(), valid[b].tolist())
+            assert rows == owner[b].tolist()
+            ranks = row_ranks(rows, valid[b].tolist())
+            W, L = beams.shape[1:]
+            for w in range(W):
+                for j in range(1, L):
+                    if not valid[b, w, j]:
+                        continue
+                    prefix = beams[b, w, :j].tolist()
+                    siblings = {beams[b, k, j].item() for k in range(rows[w][j])
+                                if valid[b, k, j] and beams[b, k, :j].tolist() == prefix} - {beams[b, w, j].item()}
+                    assert ranks[w][j] == len(siblings)
+
+
+def test_tree_choice_keeps_every_rows_best_nodes():
+    """``choose`` on trees (W > 1): a prefix-closed part of the valid mask; every row that is
+    not fixed keeps its min(n, nodes) most valuable nodes for one n, none worth less than
+    a node it dropped; fixed rows keep everything."""
+    g = torch.Generator().manual_seed(4)
+    curves = [LINEAR, FLAT4, STEEP]
+    for case, (beams, valid) in enumerate(random_tree_proposals(g, 300)):
+        B, W, L = beams.shape
+        conf = torch.rand(B, W, L, generator=g) ** 2
+        conf[torch.rand(B, W, L, generator=g) < 0.1] = float("nan")
+        stats = [stats_with(torch.rand(8, generator=g).tolist()) for _ in range(B)]
+        for s in stats:
+            s.fixed = bool(torch.rand(1, generator=g) < 0.15)
+        use_conf = torch.rand(B, generator=g) < 0.7
+        policy = AdaptivePolicy(curves[case % len(curves)])
+        kept = policy.choose(Proposal(beams, valid, confidence=None if case % 4 == 0 else conf), stats,
+                             use_conf, 0, 0.01, case % 5 == 0)
+        assert not (kept & ~valid).any() and torch.equal(kept, kept.to(torch.int8).cumprod(dim=2).bool())
+        sizes = set()
+        for b in range(B):
+            owner = row_owners(beams[b].tolist(), valid[b].tolist())
+            values = node_values(owner, valid[b].tolist(), stats[b].rates(L - 1), stats[b].kappa,
+                                 conf[b].tolist() if case % 4 and use_conf[b] else None)
+            chosen = {(j, owner[w][j]) for w in range(W) for j in range(1, L) if kept[b, w, j]}
+            if stats[b].fixed:
+                assert chosen == set(values)
+                continue
+            dropped = set(values) - chosen
+            assert not dropped or not chosen or min(values[x] for x in chosen) >= max(values[x] for x in dropped)
+            sizes.add(len(chosen) if dropped else None)  # a row that kept all says only n >= its size
+        assert len(sizes - {None}) <= 1, case
 
 
 def test_cost_model_is_monotone_and_interpolates():

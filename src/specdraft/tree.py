@@ -8,13 +8,17 @@ each (beam, depth) back to the packed position whose logits/hidden state belong 
 
 Shapes: B rows (sequences), W beams per row, L tokens per beam, N packed tokens per row
 (N = max over rows of the distinct prefixes; shorter rows are padded). Everything is
-vectorised over B, W and L: there is no Python loop over beams or tokens.
+vectorised over B, W and L: there is no Python loop over beams or tokens (except in
+the host helpers at the end, ``row_owners``, ``row_ranks`` and ``node_values``, which walk
+one row's few nodes for the adaptive policy).
 
 Packed order is depth-major (all depth-0 tokens, then depth 1, ...; within a depth by
 beam index), so a parent always precedes its children.
 """
 
 from __future__ import annotations
+
+import math
 
 from dataclasses import dataclass
 
@@ -127,16 +131,53 @@ def unpack_beams(tree: TreeBatch) -> torch.Tensor:
 # ---- the owner geometry the adaptive policy reads ---------------------------------------
 
 
-def sibling_rank(owner: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """rank (B, W, L): how many distinct earlier siblings (same parent, smaller owner beam)
-    token (w, j) has; 0 at depth 0."""
-    B, W, L = owner.shape
-    parent = torch.nn.functional.pad(owner[:, :, :-1], (1, 0))  # owner of the token before
-    beam = torch.arange(W, device=owner.device)
-    owns = (owner == beam[None, :, None]) & valid
-    same = (parent[:, :, None, :] == parent[:, None, :, :]) & owns[:, None, :, :]  # (B, W_i, W_k, L)
-    earlier = beam[None, None, :, None] < owner[:, :, None, :]  # k before i's owner
-    return (same & earlier).sum(dim=2).float()
+def row_owners(beams: list[list[int]], valid: list[list[bool]]) -> list[list[int]]:
+    """``prefix_owner`` of one row, on the host: beams, valid W lists of L (``valid``
+    prefix-closed); owner[w][j] = the smallest beam k whose first j + 1 tokens equal beam
+    w's, both valid through j; w itself where (w, j) is not valid."""
+    W, L = len(beams), len(beams[0])
+    owner = [[w] * L for w in range(W)]
+    for w in range(W):
+        for j in range(L):
+            if not valid[w][j]:
+                break
+            start = owner[w][j - 1] if j else 0  # a prefix shared through j is shared through j - 1
+            owner[w][j] = next(k for k in range(start, w + 1) if valid[k][j] and beams[k][j] == beams[w][j]
+                               and (j == 0 or owner[k][j - 1] == owner[w][j - 1]))
+    return owner
+
+
+def row_ranks(owner: list[list[int]], valid: list[list[bool]]) -> list[list[int]]:
+    """rank[w][j] of one row: how many distinct earlier siblings (same parent, a smaller
+    owner beam) token (w, j) has; 0 at depth 0. ``owner`` from ``row_owners``."""
+    W, L = len(owner), len(owner[0])
+    owns = [[owner[w][j] == w and valid[w][j] for j in range(L)] for w in range(W)]
+
+    def parent(x: int, j: int) -> int:
+        return owner[x][j - 1] if j else 0
+
+    return [[sum(1 for k in range(owner[w][j]) if owns[k][j] and parent(k, j) == parent(w, j))
+             for j in range(L)] for w in range(W)]
+
+
+def node_values(owner: list[list[int]], valid: list[list[bool]], rates: list[float], kappa: float,
+                conf: list[list[float]] | None) -> dict[tuple[int, int], float]:
+    """{(depth j >= 1, owner beam w): P(the node is accepted)} for one row's nodes (``owner``
+    from ``row_owners``): the product along its path of p = min(1, kappa c) (c its
+    confidence, ``conf`` W lists of L; NaN or None: none), else a_j (1 - a_j)^rank, a_j =
+    ``rates[j - 1]`` and rank its index among its siblings (``row_ranks``)."""
+    W, L = len(owner), len(owner[0])
+    rank = row_ranks(owner, valid)
+    values: dict[tuple[int, int], float] = {}
+    for j in range(1, L):
+        for w in range(W):
+            if owner[w][j] != w or not valid[w][j]:
+                continue
+            p = rates[j - 1] * (1 - rates[j - 1]) ** rank[w][j]
+            if conf is not None and not math.isnan(conf[w][j]):
+                p = min(max(kappa * conf[w][j], 0.0), 1.0)
+            values[(j, w)] = p * values.get((j - 1, owner[w][j - 1]), 1.0)  # the parent's value
+    return values
 
 
 def children_confidence(tree_owner: torch.Tensor, valid: torch.Tensor, confidence: torch.Tensor,
