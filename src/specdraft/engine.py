@@ -386,20 +386,28 @@ class SpeculativeEngine:
         return replace(proposal, valid=valid)
 
     def _accept(self, rows: list[Row], tree: TreeBatch, proposal: Proposal, logits: torch.Tensor) -> Acceptance:
-        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-        acc = accept_greedy(tree, proposal.beams, logits)
-        if len(greedy) == len(rows):
-            return acc
-        idx = torch.tensor([i for i, r in enumerate(rows) if not r.params.greedy], device=logits.device)
-        sub_rows = [rows[i] for i in idx.tolist()]
-        sub_tree = tree.select(idx)
-        probs = target_probs(logits[idx], *self._knobs(sub_rows, logits.device))
+        """Greedy rows by longest match, sampling rows by rejection (``acceptance``); a batch
+        of one kind skips the other's pass and the row selection."""
+        sampling = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if not sampling:
+            return accept_greedy(tree, proposal.beams, logits)
+        every = len(sampling) == len(rows)
+        idx = torch.tensor(sampling, device=logits.device)
+
+        def pick(t: torch.Tensor) -> torch.Tensor:  # the sampling rows of a batch tensor
+            return t if every else t[idx]
+
+        sub_rows = [rows[i] for i in sampling]
+        sub_tree = tree if every else tree.select(idx)
+        probs = target_probs(pick(logits), *self._knobs(sub_rows, logits.device))
         gens = [r.generator for r in sub_rows]
-        beams = proposal.beams[idx]
         if proposal.q is not None:
-            sampled = accept_sampled(sub_tree, beams, probs, proposal.q[idx], gens)
+            sampled = accept_sampled(sub_tree, pick(proposal.beams), probs, pick(proposal.q), gens)
         else:
-            sampled = accept_tree_sampling(sub_tree, beams, probs, gens)
+            sampled = accept_tree_sampling(sub_tree, pick(proposal.beams), probs, gens)
+        if every:
+            return sampled
+        acc = accept_greedy(tree, proposal.beams, logits)
         for name in ("path", "n", "next_token", "beam"):
             getattr(acc, name)[idx] = getattr(sampled, name)
         return acc

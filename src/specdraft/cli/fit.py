@@ -82,7 +82,8 @@ def add_fit(subparsers) -> None:
     p.add_argument("--data", default="sharegpt", metavar="sharegpt|FILE.json|FILE.jsonl",
                    help="training conversations (default: the packaged ShareGPT, every turn)")
     p.add_argument("--budget", type=str, metavar="DURATION", help="wall-clock limit of this run, e.g. 2h or 90m")
-    p.add_argument("--tokens", type=str, metavar="N", help="extract at most N training tokens (e.g. 20M)")
+    p.add_argument("--tokens", type=str, metavar="N", help="extract training conversations until the corpus holds N tokens (e.g. 20M), in whole "
+                        "chunks of 128 conversations, so it may pass N by up to one chunk (~100k tokens)")
     p.add_argument("--data-offset", type=int, default=0, metavar="N",
                    help="skip the first N training conversations, e.g. those a head given to --init-from "
                         "was trained on (default: %(default)s)")

@@ -236,12 +236,12 @@ class ReDrafter(Drafter):
         """(B, C, L - 1, V) float32 from the sampling rows' q over the head's outputs
         ``q_rows`` (R, C, L - 1, N): those rows' q widened (zero outside a draft vocabulary),
         a point mass on the drafted token (``drafted`` (B, C, L - 1), target ids) elsewhere."""
-        V = int(self.head.config.vocab_size)
+        V, vocab = int(self.head.config.vocab_size), self.head.draft_vocab
+        wide = q_rows if vocab is None else q_rows.new_zeros(*q_rows.shape[:3], V).index_copy_(3, vocab.ids(), q_rows)
+        if len(rows) == drafted.shape[0]:  # every row samples (rows = 0 .. B - 1): no point masses
+            return wide
         q = torch.nn.functional.one_hot(drafted, V).float()
-        if len(rows):
-            vocab = self.head.draft_vocab
-            q[rows] = q_rows if vocab is None else q_rows.new_zeros(*q_rows.shape[:3], V).index_copy_(
-                3, vocab.ids(), q_rows)
+        q[rows] = wide
         return q
 
     def row_generators(self, ctx: DraftContext, rows: list[int]) -> list[torch.Generator]:
