@@ -390,7 +390,7 @@ class AdaptivePolicy:
         and a beam keeps a token if the token's node is among its row's best n.
 
         On the host, in Python: a tree of a few nodes a row (the head's 2 x 3 at batch 1)
-        took ~0.6 ms a step as ~40 small torch ops, about 1.5% of a bfloat16 SmolLM2 step."""
+        took 0.4-0.6 ms a step as ~40 small torch ops (1-1.5% of a bfloat16 SmolLM2 step), 0.07 ms so."""
         B, W, L = proposal.beams.shape
         valid = proposal.valid.to(torch.int8).cumprod(dim=2).bool()
         beams, closed = proposal.beams.tolist(), valid.tolist()

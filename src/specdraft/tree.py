@@ -19,7 +19,6 @@ beam index), so a parent always precedes its children.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import torch
