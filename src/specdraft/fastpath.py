@@ -245,6 +245,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear(x, weight, bias); inside ``active()`` on CPU through the layout chosen for the
     weight's dtype. ``holder`` (any object taking attributes, e.g. the module) keeps the
     packed copy; without one the packed layout is not used."""
+    if torch.compiler.is_compiling():  # traced (a compiled drafter): inductor picks the kernel
+        return F.linear(x, weight, bias)
     layout = layout_for(x, weight)
     if layout is None or (layout == PACKED and holder is None):
         return F.linear(x, weight, bias)

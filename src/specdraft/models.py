@@ -379,14 +379,10 @@ class Target:
         with ``rows`` (N,) token ids, only those N logits (a draft vocabulary's)."""
         if rows is not None:
             bias = getattr(self.head, "bias", None)
-            logits = torch.nn.functional.linear(hidden, self.head.weight[rows],
-                                                None if bias is None else bias[rows]).float()
-            return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+            return softcapped(torch.nn.functional.linear(hidden, self.head.weight[rows],
+                                                         None if bias is None else bias[rows]), self.softcap)
         with fastpath.active():
-            logits = self.head(hidden).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+            return softcapped(self.head(hidden), self.softcap)
 
     def encode_prompt(self, text: str, chat: bool) -> list[int]:
         """Token ids of a prompt, through the chat template when ``chat``."""
@@ -410,6 +406,14 @@ class Target:
             raise SpecdraftError(f"prompt {prompt_id!r} has {len(ids)} tokens; {self.name} has a context of "
                                  f"{self.max_context}")
         return ids
+
+
+def softcapped(logits: torch.Tensor, softcap: float | None, float32: bool = True) -> torch.Tensor:
+    """The target's final-logit softcap (Gemma's), in float32 as the target applies it; without
+    one the logits in float32, or as they are with ``float32=False``."""
+    if softcap:
+        return torch.tanh(logits.float() / softcap) * softcap
+    return logits.float() if float32 else logits
 
 
 @contextmanager

@@ -67,6 +67,8 @@ class DraftVocab(nn.Module):
         """(N,) long: the target id of each draft id. Cached (the same tensor until d2t
         changes: in place, e.g. load_state_dict, or by a move), so that users may key their
         own caches on it (``heads.parts``: the LM head rows of a shared head)."""
+        if torch.compiler.is_compiling():  # traced: frozen, the sum folds into a constant
+            return self.d2t + torch.arange(self.size, device=self.d2t.device)
         key = (self.d2t.data_ptr(), self.d2t._version, self.d2t.device)
         if getattr(self, "_ids_key", None) != key:
             self._ids = self.d2t + torch.arange(self.size, device=self.d2t.device)

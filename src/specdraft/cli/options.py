@@ -64,9 +64,9 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--beam-length", type=int, metavar="L", help="tokens per beam, g0 included, and of a head's sampled chain (drafter default if unset)")
     g.add_argument("--gamma", type=int, metavar="G", help="tokens a draft model drafts per step (draft: only)")
     g.add_argument("--compile-drafter", action="store_true",
-                   help="torch.compile a draft model's forward (draft: only; cheaper drafting where the draft is small, "
-                        "exact either way) and warm it up before the first request: a minute or two the first time, "
-                        "less once torch's compile cache holds it")
+                   help="torch.compile the drafter's model code and warm it up before the first request (a draft "
+                        "model's forward; a ReDrafter head's beam search and sampled logits, bfloat16 or float32 "
+                        "without --int8-drafter): cheaper drafting, exact either way; seconds to a minute or two at start")
     g.add_argument("--int8-drafter", action=argparse.BooleanOptionalAction, default=None,
                    help="run the drafter's large linears in int8 on CPU where that applies (a float32 ReDrafter "
                         "head's blocks and output layer; default: on; exact either way: only the drafter's weights "
@@ -178,8 +178,8 @@ def load_engine(args: argparse.Namespace):
         args.drafter = resolve_auto(engine.target)
         args.drafter_note = f"specdraft: drafter {args.drafter} (--drafter auto)"
     if getattr(args, "compile_drafter", False) and not engine.drafter.compiled:
-        print(f"specdraft: --compile-drafter: {args.drafter} has no model code to compile (draft models have)",
-              file=sys.stderr)
+        print(f"specdraft: --compile-drafter: {args.drafter} has no model code to compile here (draft models and "
+              "ReDrafter heads without context attention or int8 linears have)", file=sys.stderr)
     if getattr(args, "int8_drafter", None) is True and not engine.drafter.int8:  # asked for by name
         print(f"specdraft: --int8-drafter: nothing of {args.drafter} runs in int8 here (float32 ReDrafter heads do, "
               "on a CPU with fbgemm)", file=sys.stderr)

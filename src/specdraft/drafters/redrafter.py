@@ -27,12 +27,14 @@ steps is each sampling request's generator.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import torch
 
 from .. import fastpath, int8
 from ..heads.beam_search import redrafter_beam_search
+from ..heads.compiled import CompiledHead
 from ..heads.model import ReDrafterHead
 from ..sampling import draw_along, draw_distinct, knobs, offset_generator, target_probs
 from .base import DraftContext, Drafter, Proposal, check_shapes
@@ -105,6 +107,7 @@ class ReDrafter(Drafter):
         self.feature_layers = tuple(head.config.feature_layers)
         self.sample_drafts = sample_drafts
         self.generators: dict[int, torch.Generator] = {}  # request id -> the head's draws
+        self.compiled_head: CompiledHead | None = None  # its torch.compile'd calls (``compile``)
 
     @classmethod
     def load(cls, path, target, beam_width: int | None = None, beam_length: int | None = None) -> "ReDrafter":
@@ -162,18 +165,36 @@ class ReDrafter(Drafter):
         if self.samples_drafts(ctx):
             # No row may use more than its budget: drafting deeper would only be clipped away.
             L = min(self.sample_L, int(ctx.budget.max()))
-            with fastpath.active():
+            with fastpath.active(), (self.compiled_head.calls() if self.compiled_head else contextlib.nullcontext()):
                 return self.sampled_chains(self.root_states(ctx), ctx, L)
         return self.propose_deterministic(ctx)
 
     @torch.no_grad()
     def propose_deterministic(self, ctx: DraftContext) -> Proposal:
         """The beam search's W beams (greedy rows and sampling rows alike)."""
-        L = min(self.L, int(ctx.budget.max()))
+        L, W = min(self.L, int(ctx.budget.max())), self.width(ctx.g0.shape[0])
         with fastpath.active():
-            hidden = self.root_states(ctx)
-            result = redrafter_beam_search(self.head, hidden, ctx.g0, self.width(hidden.shape[0]), L)
+            if self.compiled_head is not None:
+                result = self.compiled_head.search(ctx.hidden, ctx.features, ctx.g0, W, L)
+            else:
+                result = redrafter_beam_search(self.head, self.root_states(ctx), ctx.g0, W, L)
         return Proposal(beams=result.beams, valid=result.valid, confidence=beam_confidence(result))
+
+    def compile(self, backend: str = "inductor") -> bool:
+        """The beam search (feature fusion included) and the sampled chains' logits through
+        torch.compile (``heads.compiled``). Not for int8 heads (fbgemm's quantised ops do not
+        trace) nor context attention (it reads the engine's recent states)."""
+        if self.compiled_head is None and not (self.int8 or self.context_window):
+            self.compiled_head = CompiledHead(self.head, bool(self.feature_layers), backend)
+            self.compiled = True
+        return self.compiled_head is not None
+
+    def warmed(self) -> None:
+        """Compile the search's remaining shapes at batch 1 and 2 (``CompiledHead.warm``); from
+        now on a shape not compiled yet runs eager."""
+        if self.compiled_head is not None:
+            self.compiled_head.warm({rows: self.width(rows) for rows in (1, 2)}, self.L)
+            self.compiled_head.warmed()
 
     def sampled_chains(self, hidden: torch.Tensor, ctx: DraftContext, L: int) -> Proposal:
         """C = ``sample_C`` chains of L tokens per row (B, C, L), g0 first. Sampling rows draw
@@ -209,8 +230,9 @@ class ReDrafter(Drafter):
         # how deep the other rows of the batch let the chains go.
         budget = ctx.budget[rows].tolist()
         distinct = torch.ones(len(rows), C, dtype=torch.bool, device=device)
+        draft_logits = head.draft_logits if self.compiled_head is None else self.compiled_head.logits
         for j in range(L - 1):
-            logits = head.draft_logits(h, state)  # (B, c, N) float32 over the head's outputs
+            logits = draft_logits(h, state)  # (B, c, N) float32 over the head's outputs
             probs = target_probs(logits[rows], *row_knobs)  # (R, c, N) the sampling rows' q_j
             drawing = [i for i, b in enumerate(budget) if b > j + 1]
             if j == 0 and C > 1:  # c = 1 here: every chain's s_1 is the same

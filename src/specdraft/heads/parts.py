@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from .. import fastpath, int8
+from ..models import softcapped
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class TargetParts:
             casts chunk by chunk, ``train.cross_entropy.cross_entropy_sum``).
     int8_rows: ids (N,) long -> a ``rows_logits`` over an int8 copy of those N rows
             (``specdraft.int8``; float32 out, softcap as the target applies it), for drafting.
+    module_rows: ids (N,) long -> a ``rows_logits`` over an ``nn.Linear`` holding a copy of those
+            N rows, for a drafter traced by torch.compile: freezing folds a module's weights
+            into the graph, and ``rows_logits``' own cache would break it (data pointers).
     """
 
     embed: Callable[[torch.Tensor], torch.Tensor]
@@ -39,6 +43,7 @@ class TargetParts:
     hidden_size: int
     rows_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     int8_rows: Callable[[torch.Tensor], Callable] | None = None
+    module_rows: Callable[[torch.Tensor], Callable] | None = None
 
     @classmethod
     def of(cls, target) -> "TargetParts":
@@ -52,16 +57,14 @@ class TargetParts:
         rows = SimpleNamespace(key=None)  # the gathered head rows, kept while the ids tensor is the same
 
         def rows_logits(hidden: torch.Tensor, ids: torch.Tensor, float32: bool = True) -> torch.Tensor:
+            head = target.head
+            bias = getattr(head, "bias", None)
             key = (ids.data_ptr(), ids.shape[0], ids.device)
             if rows.key != key:
-                head = target.head
-                bias = head.bias[ids] if getattr(head, "bias", None) is not None else None
-                rows.key, rows.weight, rows.bias = key, head.weight[ids], bias
+                rows.key, rows.weight, rows.bias = key, head.weight[ids], None if bias is None else bias[ids]
             # Through the target's fast layout when drafting (fastpath.active); ``rows`` keeps its packed copy.
             out = fastpath.linear(hidden.to(target.dtype), rows.weight, rows.bias, holder=rows)
-            if target.softcap:  # the cap in float32, as the target applies it
-                return torch.tanh(out.float() / target.softcap) * target.softcap
-            return out.float() if float32 else out
+            return softcapped(out, target.softcap, float32)
 
         def int8_rows(ids: torch.Tensor) -> Callable:
             head = target.head
@@ -70,10 +73,28 @@ class TargetParts:
 
             def rows_logits_int8(hidden: torch.Tensor, asked: torch.Tensor, float32: bool = True) -> torch.Tensor:
                 assert asked.shape[0] == ids.shape[0], "int8 rows were packed for another draft vocabulary"
-                out = int8.linear(hidden, packed)  # float32
-                return torch.tanh(out / target.softcap) * target.softcap if target.softcap else out
+                return softcapped(int8.linear(hidden, packed), target.softcap)  # float32
 
             return rows_logits_int8
 
+        def module_rows(ids: torch.Tensor) -> Callable:
+            head = target.head
+            bias = getattr(head, "bias", None)
+            rows_module = torch.nn.Linear(head.weight.shape[1], ids.shape[0], bias=bias is not None,
+                                          device=head.weight.device, dtype=head.weight.dtype).requires_grad_(False)
+            with torch.no_grad():
+                rows_module.weight.copy_(head.weight[ids])
+                if bias is not None:
+                    rows_module.bias.copy_(bias[ids])
+            fastpath.small_batch_linear(rows_module)  # eager calls (sampled chains) keep the fast layout
+
+            def rows_logits_module(hidden: torch.Tensor, asked: torch.Tensor, float32: bool = True) -> torch.Tensor:
+                assert asked.shape[0] == ids.shape[0], "the rows were copied for another draft vocabulary"
+                return softcapped(rows_module(hidden.to(rows_module.weight.dtype)), target.softcap, float32)
+
+            return rows_logits_module
+
         return cls(embed=embeddings, logits=logits, vocab_size=int(target.vocab_size),
-                   hidden_size=int(target.hidden_size), rows_logits=rows_logits, int8_rows=int8_rows)
+                   hidden_size=int(target.hidden_size), rows_logits=rows_logits, int8_rows=int8_rows,
+                   module_rows=module_rows)
+
