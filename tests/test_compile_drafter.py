@@ -74,11 +74,10 @@ def test_compiled_beam_search_has_no_graph_break_and_gives_eager_beams(tiny_targ
     assert counters["stats"]["unique_graphs"] >= 2  # batch 1 and batch 2 each got a graph
 
 
-def test_compiled_head_decodes_as_plain_and_warm_up_covers_greedy_and_sampled_shapes(tiny_target):
-    """After ``warm_up`` (greedy and sampled generations at batch 1 and 2) nothing compiles
-    again while decoding such batches, greedy output is plain decoding's, and a seeded sampled
-    text is the uncompiled drafter's (the sampled chains' logits go through the compiled
-    graph too; eager numerics here, so the draws are the same)."""
+def test_compiled_head_decodes_as_plain_and_warm_up_covers_its_shapes(tiny_target):
+    """After ``warm_up`` (generations at batch 1 and 2, then ``warmed``: every L) nothing
+    compiles again while decoding such batches, greedy output is plain decoding's, and a
+    seeded sampled text is the uncompiled drafter's (sampled chains stay eager)."""
     drafter = make_drafter(tiny_target, feature_layers=[0])
     drafter.compile(backend="eager")
     engine = SpeculativeEngine(tiny_target, drafter, max_tree_tokens=None)

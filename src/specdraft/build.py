@@ -7,7 +7,7 @@ an ``EngineSpec``; library users may build one directly. Loading stays quiet in 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 
 @dataclass
@@ -96,15 +96,12 @@ def warm_up(engine) -> None:
     chat = getattr(tok, "chat_template", None) is not None
     prompt = target.encode_prompt(WARM_UP_PROMPT, chat=chat) if tok is not None else list(range(1, 33))
     room = target.max_context // 2  # a tiny test model's context may be short
-    greedy = SamplingParams(max_new_tokens=min(WARM_UP_TOKENS, room // 2))
-    # Sampled too where the drafter draws its drafts then (other calls, other trees).
-    sampled = replace(greedy, temperature=1.0, seed=0) if engine.drafter.may_sample_drafts() else None
+    params = SamplingParams(max_new_tokens=min(WARM_UP_TOKENS, room // 2))
     policy, engine.policy = engine.policy, None
     try:
         for batch in (1, 2):
             for ids in (prompt[-8:], (prompt * 8)[: min(96, room)]):  # a short and a long first feed
-                for params in filter(None, (greedy, sampled)):
-                    engine.generate([ids] * batch, params)
+                engine.generate([ids] * batch, params)
     finally:
         engine.policy = policy
     engine.drafter.warmed()

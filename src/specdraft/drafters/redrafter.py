@@ -27,7 +27,6 @@ steps is each sampling request's generator.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 
 import torch
@@ -165,7 +164,7 @@ class ReDrafter(Drafter):
         if self.samples_drafts(ctx):
             # No row may use more than its budget: drafting deeper would only be clipped away.
             L = min(self.sample_L, int(ctx.budget.max()))
-            with fastpath.active(), (self.compiled_head.calls() if self.compiled_head else contextlib.nullcontext()):
+            with fastpath.active():
                 return self.sampled_chains(self.root_states(ctx), ctx, L)
         return self.propose_deterministic(ctx)
 
@@ -181,9 +180,9 @@ class ReDrafter(Drafter):
         return Proposal(beams=result.beams, valid=result.valid, confidence=beam_confidence(result))
 
     def compile(self, backend: str = "inductor") -> bool:
-        """The beam search (feature fusion included) and the sampled chains' logits through
-        torch.compile (``heads.compiled``). Not for int8 heads (fbgemm's quantised ops do not
-        trace) nor context attention (it reads the engine's recent states)."""
+        """The beam search (feature fusion included) through torch.compile (``heads.compiled``);
+        sampled chains stay eager. Not for int8 heads (fbgemm's quantised ops do not trace) nor
+        context attention (it reads the engine's recent states)."""
         if self.compiled_head is None and not (self.int8 or self.context_window):
             self.compiled_head = CompiledHead(self.head, bool(self.feature_layers), backend)
             self.compiled = True
@@ -230,9 +229,8 @@ class ReDrafter(Drafter):
         # how deep the other rows of the batch let the chains go.
         budget = ctx.budget[rows].tolist()
         distinct = torch.ones(len(rows), C, dtype=torch.bool, device=device)
-        draft_logits = head.draft_logits if self.compiled_head is None else self.compiled_head.logits
         for j in range(L - 1):
-            logits = draft_logits(h, state)  # (B, c, N) float32 over the head's outputs
+            logits = head.draft_logits(h, state)  # (B, c, N) float32 over the head's outputs
             probs = target_probs(logits[rows], *row_knobs)  # (R, c, N) the sampling rows' q_j
             drawing = [i for i, b in enumerate(budget) if b > j + 1]
             if j == 0 and C > 1:  # c = 1 here: every chain's s_1 is the same

@@ -13,9 +13,9 @@ Graphs: the search is specialised on (rows B, beams W, length L) — L and W dec
 depths and beams the loop unrolls — and on standard strides (inputs are cloned to them).
 ``warm`` compiles every (B, W, L) the engine asks of a warmed-up drafter at batch 1 and 2,
 from one real call's inputs; after ``warmed`` a shape not compiled runs eagerly (dynamo's
-``eager_on_recompile``) rather than stall a step for seconds. Sampled chains compile only the
-head's logits per depth: their draws stay eager (each row's generator), and the q they report
-is what the tokens were drawn from, compiled or not.
+``eager_on_recompile``) rather than stall a step for seconds. Sampled chains stay eager: their
+per-depth logits compiled measured level at T = 1 (the compiled call's own overhead, three
+small calls a step, ate what their kernels saved; docs/engine.md).
 
 Exactness does not depend on any of this: beams are candidates the target verifies, and
 compiled logits only change which candidates are proposed.
@@ -42,8 +42,7 @@ class CompiledHead:
     """The compiled calls of one ``ReDrafterHead`` (``fuse``: whether it reads feature layers).
 
     ``search(hidden (B, d), features (B, n, d) or None, g0 (B,), W, L) -> BeamResult`` is
-    ``redrafter_beam_search`` from the fused root state; ``logits`` is the head's
-    ``draft_logits``. Both run inside ``calls()``."""
+    ``redrafter_beam_search`` from the fused root state."""
 
     def __init__(self, head, fuse: bool, backend: str = "inductor"):
         self.head, self.fuse = head, fuse
@@ -59,7 +58,6 @@ class CompiledHead:
         # Guards on the head's modules dropped, as for the target: nothing changes them now.
         dynamo = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         self._search = torch.compile(self.fused_search, dynamic=False, backend=backend, options=dynamo)
-        self.logits = torch.compile(head.draft_logits, dynamic=False, backend=backend, options=dynamo)
         self.stance = "default"
         self.template: tuple | None = None  # one row of a real call's inputs (``warm``)
 
