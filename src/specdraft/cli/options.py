@@ -65,7 +65,7 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gamma", type=int, metavar="G", help="tokens a draft model drafts per step (draft: only)")
     g.add_argument("--compile-drafter", action="store_true",
                    help="torch.compile the drafter's model code and warm it up before the first request (a draft "
-                        "model's forward; a ReDrafter head's beam search and sampled logits, bfloat16 or float32 "
+                        "model's forward; a ReDrafter head's beam search, bfloat16 or float32 "
                         "without --int8-drafter): cheaper drafting, exact either way; seconds to a minute or two at start")
     g.add_argument("--int8-drafter", action=argparse.BooleanOptionalAction, default=None,
                    help="run the drafter's large linears in int8 on CPU where that applies (a float32 ReDrafter "

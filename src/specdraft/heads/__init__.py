@@ -4,7 +4,7 @@
 - ``model``: the ReDrafter head (inference recurrence + teacher-forced training forward)
 - ``medusa``: K independent Medusa-style heads
 - ``beam_search``: beam search over a head (L counts g0), and top-W trees for Medusa
-- ``compiled``: a head's beam search and sampled logits through torch.compile (``--compile-drafter``)
+- ``compiled``: a head's beam search through torch.compile (``--compile-drafter``)
 - ``io`` / ``config``: checkpoint folders (config.json + model.safetensors)
 - ``export``: the TensorRT-LLM ReDrafter layout
 

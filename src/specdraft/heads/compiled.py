@@ -23,7 +23,6 @@ compiled logits only change which candidates are proposed.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 
 import torch
@@ -53,7 +52,7 @@ class CompiledHead:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
         self.options: dict = {}
         if backend == "inductor" and head.rnn_w.weight.device.type == "cpu":
-            import torch._inductor.config as _inductor_config  # noqa: F401  (``calls`` patches it)
+            import torch._inductor.config as _inductor_config  # noqa: F401  (``search`` patches it)
             self.options = dict(graphs.CPU_INDUCTOR_OPTIONS)
         # Guards on the head's modules dropped, as for the target: nothing changes them now.
         dynamo = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
@@ -72,15 +71,10 @@ class CompiledHead:
         hidden, features, g0 = standard(hidden), standard(features), standard(g0)
         if self.template is None:
             self.template = (hidden[:1], None if features is None else features[:1], g0[:1])
-        with torch.no_grad(), self.calls():  # no_grad: a guard of every graph (the engine's calls run so)
+        # no_grad: a guard of every graph (the engine's calls run so); the stance (``warmed``) and
+        # inductor's config (frozen weights, autotuned GEMMs) only around the head's calls.
+        with torch.no_grad(), torch.compiler.set_stance(self.stance), torch._inductor.config.patch(self.options):
             return BeamResult(*self._search(hidden, features, g0, W, L))
-
-    def calls(self) -> contextlib.AbstractContextManager:
-        """Dynamo's stance (``warmed``) and inductor's config (frozen weights, autotuned GEMMs)."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.compiler.set_stance(self.stance))
-        stack.enter_context(torch._inductor.config.patch(self.options))
-        return stack
 
     def warm(self, widths: dict[int, int], length: int) -> None:
         """Compile the search for B rows (``widths``: B -> the W drafted at B) at every L from 1

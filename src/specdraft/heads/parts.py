@@ -97,4 +97,3 @@ class TargetParts:
         return cls(embed=embeddings, logits=logits, vocab_size=int(target.vocab_size),
                    hidden_size=int(target.hidden_size), rows_logits=rows_logits, int8_rows=int8_rows,
                    module_rows=module_rows)
-
