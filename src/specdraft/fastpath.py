@@ -23,6 +23,15 @@ still is (``ROW_LIMIT``: on an Intel Xeon with AMX, bitwise at 1-32 rows, not at
 the transposed layout made bfloat16 slower (4 tokens: 37 ms against 29 ms). ``LAYOUTS`` records the candidate per dtype; the
 figures are in docs/engine.md ("Kernels per dtype").
 
+Where float32's transposed layout does not pay (an AVX-512 Xeon: MKL's one-row kernel is
+fast), MKL's stock product is still slow from 4 rows on: it packs the weight into its own
+layout on every call, so a 4-row forward of SmolLM2 cost 1.36x a 1-row one. The "mkl-packed"
+layout keeps MKL's packed copy (``torch.ops.mkl._mkl_reorder_linear_weight``, what inductor
+uses for frozen float32 linears) per row bucket (``MKL_BUCKETS``), since a copy serves only
+the row count it was packed for: 4-16 rows are padded with zero rows up to the next bucket,
+1-3 rows and more than 16 run stock. Verify forwards of 4 / 8 / 16 tree tokens cost 0.85 /
+0.79 / 0.76x stock's there; each bucket used costs one more copy of the weights in memory.
+
 ``small_batch_linear(model)`` patches the model's ``nn.Linear`` instances (not the class)
 so that, only inside ``active()`` and only on CPU with at most ``MAX_ROWS`` rows, they use
 the dtype's layout. Outside ``active()`` (e.g. transformers' own ``generate`` on the same
@@ -32,6 +41,7 @@ F.linear up to floating-point summation order.
 
 from __future__ import annotations
 
+import os
 import time
 import types
 from contextlib import contextmanager
@@ -39,11 +49,18 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from .errors import SpecdraftError
+from .mkl_packed import MKL_BUCKETS, mkl_bucket, mkl_copies_fit, mkl_pack_weight, mkl_packed_linear, mkl_packing_available
+
 TRANSPOSED = "transposed"  # (W @ x.T).T, one row padded to two
 PACKED = "packed"  # oneDNN's prepacked weight, reordered once per weight
+MKL_PACKED = "mkl-packed"  # float32: MKL's packed weight per row bucket, rows padded up to it
 # Rows up to which a layout is used (measured on SmolLM2, docs above): the transposed layout
 # is better from 1 to 32 rows in float32; the packed one is never slower (1-256 rows).
-MAX_ROWS = {TRANSPOSED: 32, PACKED: None}
+MAX_ROWS = {TRANSPOSED: 32, PACKED: None, MKL_PACKED: MKL_BUCKETS[-1]}
+MIN_ROWS = {MKL_PACKED: 4}  # MKL's stock product is as fast below (it packs from 4 rows on)
+MKL_PROBE_ROWS = 8  # choose_layout times the mkl-packed layout at this many rows
+LAYOUT_ENV = "SPECDRAFT_LINEAR_LAYOUT"  # overrides the measured choice (forced_layout)
 LAYOUTS = {torch.float32: TRANSPOSED, torch.bfloat16: PACKED}  # weight dtype -> candidate layout on CPU; absent: stock F.linear
 # The candidate is kept only where it measures faster: on an Intel Xeon with AVX-512/AMX
 # (2026-11-25) MKL's one-row float32 kernel is fast and the transposed layout 3-5x slower
@@ -117,17 +134,20 @@ class PackedCopy:
         return (PackedCopy, ())
 
 
-def packed_weight_of(holder, weight: torch.Tensor) -> torch.Tensor:
-    """``weight``'s packed copy, kept on ``holder`` (its module): made once and again only
-    when the weight changes (another tensor, or written in place: its version moves). The
-    weight itself is held and compared by identity: a freed weight's address may be reused
-    by the next one, so an address alone could match a stale copy."""
+def packed_weight_of(holder, weight: torch.Tensor, rows: int = 0) -> torch.Tensor:
+    """``weight``'s packed copy, kept on ``holder`` (its module): oneDNN's (``rows`` 0) or
+    MKL's for ``rows`` rows; made once and again only when the weight changes (another
+    tensor, or written in place: its version moves). The weight itself is held and compared
+    by identity: a freed weight's address may be reused by the next one, so an address alone
+    could match a stale copy."""
     key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
-    copy = getattr(holder, "_specdraft_packed", None)
+    name = f"_specdraft_packed{rows or ''}"
+    copy = getattr(holder, name, None)
     if copy is None or copy.of is not weight or copy.key != key:
-        copy = PackedCopy(pack_weight(weight.detach()), weight, key)
+        tensor = mkl_pack_weight(weight.detach(), rows) if rows else pack_weight(weight.detach())
+        copy = PackedCopy(tensor, weight, key)
         # object.__setattr__: a module must not see (register, move) what it holds here.
-        object.__setattr__(holder, "_specdraft_packed", copy)
+        object.__setattr__(holder, name, copy)
     return copy.tensor
 
 
@@ -177,11 +197,14 @@ def choose_layout(weight: torch.Tensor, probes: tuple[torch.Tensor, ...] = ()) -
     """The layout this process uses for ``weight.dtype``, measured once per dtype with the
     model's largest linear: the dtype's candidate if it runs a one-row product with
     ``weight`` at least 10% faster than stock ``F.linear`` on this machine (the packed
-    layout: if it is bitwise stock and not more than 10% slower), else None (stock). A weight under
+    layout: if it is bitwise stock and not more than 10% slower); where float32's transposed
+    layout loses, mkl-packed if it wins at 8 rows; else None (stock). A weight under
     ``MEASURE_MIN_PARAMS`` times too fast to tell: it keeps the candidate (the packed one
     only if bitwise stock). The packed layout is then used up to ``ROW_LIMIT[dtype]`` rows:
     where it is bitwise stock for ``weight`` and every weight of ``probes`` (one per shape)."""
     dtype = weight.dtype
+    if dtype not in CHOSEN and forced_layout(dtype):
+        CHOSEN[dtype] = None if forced_layout(dtype) == "stock" else forced_layout(dtype)
     if dtype not in CHOSEN:
         candidate = LAYOUTS.get(dtype)
         if candidate is None or weight.device.type != "cpu":
@@ -202,8 +225,35 @@ def choose_layout(weight: torch.Tensor, probes: tuple[torch.Tensor, ...] = ()) -
                 CHOSEN[dtype] = candidate if mine <= 1.1 * stock else None
             else:
                 stock, mine = _best_ms(lambda: F.linear(x, weight), lambda: transposed_linear(x, weight))
-                CHOSEN[dtype] = candidate if mine < 0.9 * stock else None
+                CHOSEN[dtype] = candidate if mine < 0.9 * stock else mkl_packed_if_faster(weight)
     return CHOSEN[dtype]
+
+
+def forced_layout(dtype: torch.dtype) -> str | None:
+    """``$SPECDRAFT_LINEAR_LAYOUT`` where it applies to ``dtype``: "stock" (every dtype),
+    "transposed" or "mkl-packed" (float32); None where unset or for another dtype. For A/B
+    runs of one layout against another, and to spare mkl-packed's copies of the weights."""
+    name = os.environ.get(LAYOUT_ENV, "")
+    if name not in ("", "stock", TRANSPOSED, MKL_PACKED):
+        raise SpecdraftError(f"${LAYOUT_ENV}={name!r}: choose stock, {TRANSPOSED} or {MKL_PACKED}")
+    if name == "stock" or (name and dtype == torch.float32):
+        return name
+    return None
+
+
+def mkl_packed_if_faster(weight: torch.Tensor) -> str | None:
+    """MKL_PACKED if it runs a ``MKL_PROBE_ROWS``-row product with float32 ``weight`` at
+    least 10% faster than stock F.linear here, else None (stock)."""
+    if weight.dtype != torch.float32 or not mkl_packing_available():
+        return None
+    try:
+        x = torch.zeros(MKL_PROBE_ROWS, weight.shape[1])
+        packed = mkl_pack_weight(weight, MKL_PROBE_ROWS)
+        stock, mine = _best_ms(lambda: F.linear(x, weight),
+                               lambda: mkl_packed_linear(x, packed, weight, None, MKL_PROBE_ROWS))
+    except RuntimeError:  # an op this build or CPU does not have
+        return None
+    return MKL_PACKED if mine < 0.9 * stock else None
 
 
 def layout_name(dtype: torch.dtype) -> str:
@@ -229,8 +279,10 @@ def layout_for(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     limit = ROW_LIMIT.get(weight.dtype, MAX_ROWS[layout])  # ROW_LIMIT: packed dtypes only
     if limit is not None and x.numel() > limit * x.shape[-1]:
         return None
-    if layout == PACKED and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if layout in MIN_ROWS and x.numel() < MIN_ROWS[layout] * x.shape[-1]:
         return None
+    if layout != TRANSPOSED and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return None  # the packed products have no backward
     return layout
 
 
@@ -238,6 +290,9 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ho
     """F.linear(x, weight, bias) in ``layout`` (of ``layout_for``); ``holder`` keeps the packed copy."""
     if layout == PACKED:
         return packed_linear(x, packed_weight_of(holder, weight), bias)
+    if layout == MKL_PACKED:
+        bucket = mkl_bucket(x.numel() // x.shape[-1])
+        return mkl_packed_linear(x, packed_weight_of(holder, weight, bucket), weight, bias, bucket)
     return transposed_linear(x, weight, bias)
 
 
@@ -248,7 +303,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if torch.compiler.is_compiling():  # traced (a compiled drafter): inductor picks the kernel
         return F.linear(x, weight, bias)
     layout = layout_for(x, weight)
-    if layout is None or (layout == PACKED and holder is None):
+    if layout is None or (layout != TRANSPOSED and holder is None):
         return F.linear(x, weight, bias)
     return product(x, weight, bias, holder, layout)
 
@@ -375,11 +430,16 @@ def register_attention() -> str:
 def small_batch_linear(model: torch.nn.Module) -> torch.nn.Module:
     """Patch every nn.Linear of ``model`` in place (idempotent); returns the model. The
     model's largest linear decides, once per dtype, whether the candidate layout pays here;
-    one weight of each shape, up to how many rows the packed one is bitwise stock."""
+    one weight of each shape, up to how many rows the packed one is bitwise stock. A model
+    whose mkl-packed copies would not fit in half the available memory turns that layout off
+    (stock), unless ``$SPECDRAFT_LINEAR_LAYOUT`` asked for it."""
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     if linears:
         shapes = {(tuple(m.weight.shape), m.weight.dtype): m.weight.detach() for m in linears}
         choose_layout(max(linears, key=lambda m: m.weight.numel()).weight.detach(), tuple(shapes.values()))
+        weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears if m.weight.is_cpu)
+        if CHOSEN.get(torch.float32) == MKL_PACKED and not (forced_layout(torch.float32) or mkl_copies_fit(weight_bytes)):
+            CHOSEN[torch.float32] = None  # the copies would crowd the memory out: stock for the process
     for module in model.modules():
         if type(module) is torch.nn.Linear and not getattr(module, "_specdraft_fastpath", False):
             module.forward = types.MethodType(_forward, module)
