@@ -275,3 +275,14 @@ def test_generated_argument_vectors_exit_0_or_2_without_traceback(files, data):
         lines = err.strip().splitlines()
         assert lines[-1].startswith("specdraft: error:"), (argv, err)
         assert sum(line.startswith("specdraft: error:") for line in lines) == 1, (argv, err)
+
+
+def test_bad_linear_layout_variable(files, monkeypatch):
+    """``$SPECDRAFT_LINEAR_LAYOUT`` with a value no layout has: one error line, before any work."""
+    from specdraft import fastpath
+
+    monkeypatch.setattr(fastpath, "CHOSEN", {})  # a fresh process: the layout is chosen at the first load
+    monkeypatch.setenv(fastpath.LAYOUT_ENV, "fastest")
+    rc, out, err = run(commands(files)["generate"])
+    assert_one_line(rc, err, "SPECDRAFT_LINEAR_LAYOUT", "mkl-packed")
+    assert out == ""

@@ -203,8 +203,9 @@ def choose_layout(weight: torch.Tensor, probes: tuple[torch.Tensor, ...] = ()) -
     only if bitwise stock). The packed layout is then used up to ``ROW_LIMIT[dtype]`` rows:
     where it is bitwise stock for ``weight`` and every weight of ``probes`` (one per shape)."""
     dtype = weight.dtype
-    if dtype not in CHOSEN and forced_layout(dtype):
-        CHOSEN[dtype] = None if forced_layout(dtype) == "stock" else forced_layout(dtype)
+    forced = forced_layout(dtype) if dtype not in CHOSEN else None
+    if forced:
+        CHOSEN[dtype] = None if forced == "stock" else forced
     if dtype not in CHOSEN:
         candidate = LAYOUTS.get(dtype)
         if candidate is None or weight.device.type != "cpu":
