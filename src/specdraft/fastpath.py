@@ -29,8 +29,8 @@ layout on every call, so a 4-row forward of SmolLM2 cost 1.36x a 1-row one. The 
 layout keeps MKL's packed copy (``torch.ops.mkl._mkl_reorder_linear_weight``, what inductor
 uses for frozen float32 linears) per row bucket (``MKL_BUCKETS``), since a copy serves only
 the row count it was packed for: 4-16 rows are padded with zero rows up to the next bucket,
-1-3 rows and more than 16 run stock. Verify forwards of 4 / 8 / 16 tree tokens cost 0.85 /
-0.79 / 0.76x stock's there; each bucket used costs one more copy of the weights in memory.
+1-3 rows and more than 16 run stock. Verify forwards of 4 / 8 / 16 tree tokens cost 0.85-0.90 /
+0.79-0.82 / 0.76-0.90x stock's there; each bucket used costs one more copy of the weights.
 
 ``small_batch_linear(model)`` patches the model's ``nn.Linear`` instances (not the class)
 so that, only inside ``active()`` and only on CPU with at most ``MAX_ROWS`` rows, they use
