@@ -30,7 +30,9 @@ layout keeps MKL's packed copy (``torch.ops.mkl._mkl_reorder_linear_weight``, wh
 uses for frozen float32 linears) per row bucket (``MKL_BUCKETS``), since a copy serves only
 the row count it was packed for: 4-16 rows are padded with zero rows up to the next bucket,
 1-3 rows and more than 16 run stock. Verify forwards of 4 / 8 / 16 tree tokens cost 0.85-0.90 /
-0.79-0.82 / 0.76-0.90x stock's there; each bucket used costs one more copy of the weights.
+0.79-0.82 / 0.76-0.90x stock's there; each bucket used costs one more copy of the weights. In
+decoding that measured level for ``auto`` (batch 1 and 4, mixed in the server at 4), so it is
+not chosen by measurement: ``SPECDRAFT_LINEAR_LAYOUT=mkl-packed`` asks for it.
 
 ``small_batch_linear(model)`` patches the model's ``nn.Linear`` instances (not the class)
 so that, only inside ``active()`` and only on CPU with at most ``MAX_ROWS`` rows, they use
@@ -50,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import SpecdraftError
-from .mkl_packed import MKL_BUCKETS, mkl_bucket, mkl_copies_fit, mkl_pack_weight, mkl_packed_linear, mkl_packing_available
+from .mkl_packed import MKL_BUCKETS, mkl_bucket, mkl_pack_weight, mkl_packed_linear, mkl_packing_available
 
 TRANSPOSED = "transposed"  # (W @ x.T).T, one row padded to two
 PACKED = "packed"  # oneDNN's prepacked weight, reordered once per weight
@@ -59,7 +61,6 @@ MKL_PACKED = "mkl-packed"  # float32: MKL's packed weight per row bucket, rows p
 # is better from 1 to 32 rows in float32; the packed one is never slower (1-256 rows).
 MAX_ROWS = {TRANSPOSED: 32, PACKED: None, MKL_PACKED: MKL_BUCKETS[-1]}
 MIN_ROWS = {MKL_PACKED: 4}  # MKL's stock product is as fast below (it packs from 4 rows on)
-MKL_PROBE_ROWS = 8  # choose_layout times the mkl-packed layout at this many rows
 LAYOUT_ENV = "SPECDRAFT_LINEAR_LAYOUT"  # overrides the measured choice (forced_layout)
 LAYOUTS = {torch.float32: TRANSPOSED, torch.bfloat16: PACKED}  # weight dtype -> candidate layout on CPU; absent: stock F.linear
 # The candidate is kept only where it measures faster: on an Intel Xeon with AVX-512/AMX
@@ -197,8 +198,8 @@ def choose_layout(weight: torch.Tensor, probes: tuple[torch.Tensor, ...] = ()) -
     """The layout this process uses for ``weight.dtype``, measured once per dtype with the
     model's largest linear: the dtype's candidate if it runs a one-row product with
     ``weight`` at least 10% faster than stock ``F.linear`` on this machine (the packed
-    layout: if it is bitwise stock and not more than 10% slower); where float32's transposed
-    layout loses, mkl-packed if it wins at 8 rows; else None (stock). A weight under
+    layout: if it is bitwise stock and not more than 10% slower), else None (stock); or the
+    layout ``$SPECDRAFT_LINEAR_LAYOUT`` asks for (mkl-packed only so). A weight under
     ``MEASURE_MIN_PARAMS`` times too fast to tell: it keeps the candidate (the packed one
     only if bitwise stock). The packed layout is then used up to ``ROW_LIMIT[dtype]`` rows:
     where it is bitwise stock for ``weight`` and every weight of ``probes`` (one per shape)."""
@@ -226,7 +227,7 @@ def choose_layout(weight: torch.Tensor, probes: tuple[torch.Tensor, ...] = ()) -
                 CHOSEN[dtype] = candidate if mine <= 1.1 * stock else None
             else:
                 stock, mine = _best_ms(lambda: F.linear(x, weight), lambda: transposed_linear(x, weight))
-                CHOSEN[dtype] = candidate if mine < 0.9 * stock else mkl_packed_if_faster(weight)
+                CHOSEN[dtype] = candidate if mine < 0.9 * stock else None
     return CHOSEN[dtype]
 
 
@@ -237,24 +238,11 @@ def forced_layout(dtype: torch.dtype) -> str | None:
     name = os.environ.get(LAYOUT_ENV, "")
     if name not in ("", "stock", TRANSPOSED, MKL_PACKED):
         raise SpecdraftError(f"${LAYOUT_ENV}={name!r}: choose stock, {TRANSPOSED} or {MKL_PACKED}")
+    if name == MKL_PACKED and not mkl_packing_available():
+        raise SpecdraftError(f"${LAYOUT_ENV}={name}: this torch build has no MKL")
     if name == "stock" or (name and dtype == torch.float32):
         return name
     return None
-
-
-def mkl_packed_if_faster(weight: torch.Tensor) -> str | None:
-    """MKL_PACKED if it runs a ``MKL_PROBE_ROWS``-row product with float32 ``weight`` at
-    least 10% faster than stock F.linear here, else None (stock)."""
-    if weight.dtype != torch.float32 or not mkl_packing_available():
-        return None
-    try:
-        x = torch.zeros(MKL_PROBE_ROWS, weight.shape[1])
-        packed = mkl_pack_weight(weight, MKL_PROBE_ROWS)
-        stock, mine = _best_ms(lambda: F.linear(x, weight),
-                               lambda: mkl_packed_linear(x, packed, weight, None, MKL_PROBE_ROWS))
-    except RuntimeError:  # an op this build or CPU does not have
-        return None
-    return MKL_PACKED if mine < 0.9 * stock else None
 
 
 def layout_name(dtype: torch.dtype) -> str:
@@ -431,16 +419,11 @@ def register_attention() -> str:
 def small_batch_linear(model: torch.nn.Module) -> torch.nn.Module:
     """Patch every nn.Linear of ``model`` in place (idempotent); returns the model. The
     model's largest linear decides, once per dtype, whether the candidate layout pays here;
-    one weight of each shape, up to how many rows the packed one is bitwise stock. A model
-    whose mkl-packed copies would not fit in half the available memory turns that layout off
-    (stock), unless ``$SPECDRAFT_LINEAR_LAYOUT`` asked for it."""
+    one weight of each shape, up to how many rows the packed one is bitwise stock."""
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     if linears:
         shapes = {(tuple(m.weight.shape), m.weight.dtype): m.weight.detach() for m in linears}
         choose_layout(max(linears, key=lambda m: m.weight.numel()).weight.detach(), tuple(shapes.values()))
-        weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears if m.weight.is_cpu)
-        if CHOSEN.get(torch.float32) == MKL_PACKED and not (forced_layout(torch.float32) or mkl_copies_fit(weight_bytes)):
-            CHOSEN[torch.float32] = None  # the copies would crowd the memory out: stock for the process
     for module in model.modules():
         if type(module) is torch.nn.Linear and not getattr(module, "_specdraft_fastpath", False):
             module.forward = types.MethodType(_forward, module)

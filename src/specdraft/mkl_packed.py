@@ -40,23 +40,3 @@ def mkl_packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tenso
         flat = F.pad(flat, (0, 0, 0, bucket - rows))
     y = torch.ops.mkl._mkl_linear(flat.contiguous(), packed, weight, bias, bucket)[:rows]
     return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux), else None."""
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def mkl_copies_fit(weight_bytes: int) -> bool:
-    """Whether a model's linear weights of ``weight_bytes`` may take mkl-packed copies for every
-    bucket: all of them within half the memory available now (unknown: assumed to fit).
-    SmolLM2 in float32: 3 x 0.54 GB; a 1B model's 3 x 4.4 GB would not on a 24 GB machine."""
-    available = available_memory_bytes()
-    return available is None or len(MKL_BUCKETS) * weight_bytes <= available // 2
