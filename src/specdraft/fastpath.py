@@ -234,7 +234,7 @@ def choose_layout(weight: torch.Tensor, probes: tuple[torch.Tensor, ...] = ()) -
 def forced_layout(dtype: torch.dtype) -> str | None:
     """``$SPECDRAFT_LINEAR_LAYOUT`` where it applies to ``dtype``: "stock" (every dtype),
     "transposed" or "mkl-packed" (float32); None where unset or for another dtype. For A/B
-    runs of one layout against another, and to spare mkl-packed's copies of the weights."""
+    runs of one layout against another, and the one way to mkl-packed (opt-in)."""
     name = os.environ.get(LAYOUT_ENV, "")
     if name not in ("", "stock", TRANSPOSED, MKL_PACKED):
         raise SpecdraftError(f"${LAYOUT_ENV}={name!r}: choose stock, {TRANSPOSED} or {MKL_PACKED}")
