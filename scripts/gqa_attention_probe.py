@@ -1,9 +1,11 @@
 """What one layer's attention costs on this CPU for SmolLM2's shapes (9 query heads, 3 kv heads,
 head dim 64) at a few query rows and cached lengths: SDPA over keys repeated per query head
 (what transformers does under torch.compile, so what a compiled target ran before), SDPA with ``enable_gqa`` (the eager engine's tree
-path) and ``fastpath.packed_gqa_sdpa`` (what a compiled target runs now). Medians of 300 calls.
+path at batch 1, and in float32) and ``fastpath.packed_gqa_sdpa`` (what a compiled target runs, and
+the eager engine's bfloat16 trees of several rows). Medians of 300 calls; B rows of q query
+tokens each.
 
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/gqa_attention_probe.py --dtype bfloat16
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/gqa_attention_probe.py --dtype bfloat16 --batch 1,4,16
 """
 
 from __future__ import annotations
@@ -25,25 +27,27 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--cached", default="64,256,512")
     p.add_argument("--rows", default="1,2,4")
+    p.add_argument("--batch", default="1", help="comma-separated batch sizes B")
     args = p.parse_args()
     dtype = parse_dtype(args.dtype)
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
     torch.manual_seed(0)
-    print("| cached | query rows | repeated keys µs | enable_gqa µs | packed µs | packed max |Δ| |")
-    print("|---|---|---|---|---|---|")
-    for cached in (int(c) for c in args.cached.split(",")):
-        for q in (int(r) for r in args.rows.split(",")):
-            query = torch.randn(1, 9, q, 64, dtype=dtype)
-            key, value = torch.randn(1, 3, cached + q, 64, dtype=dtype), torch.randn(1, 3, cached + q, 64, dtype=dtype)
-            mask = torch.ones(1, 1, q, cached + q, dtype=torch.bool).tril(cached)
-            repeated = median_call_us(lambda: F.scaled_dot_product_attention(
-                query, key.repeat_interleave(3, 1), value.repeat_interleave(3, 1), attn_mask=mask, scale=0.125), 300, 20)
-            gqa = median_call_us(lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.125,
-                                                                    enable_gqa=True), 300, 20)
-            packed = median_call_us(lambda: packed_gqa_sdpa(module, query, key, value, mask, scaling=0.125), 300, 20)
-            diff = (packed_gqa_sdpa(module, query, key, value, mask, scaling=0.125)[0].float()
-                    - sdpa_attention_forward(module, query, key, value, mask, scaling=0.125)[0].float()).abs().max()
-            print(f"| {cached} | {q} | {repeated:.0f} | {gqa:.0f} | {packed:.0f} | {diff.item():.3g} |")
+    print("| B | cached | query rows | repeated keys µs | enable_gqa µs | packed µs | packed max |Δ| |")
+    print("|---|---|---|---|---|---|---|")
+    shapes = [(int(b), int(c), int(r)) for b in args.batch.split(",") for c in args.cached.split(",")
+              for r in args.rows.split(",")]
+    for B, cached, q in shapes:
+        query = torch.randn(B, 9, q, 64, dtype=dtype)
+        key, value = torch.randn(B, 3, cached + q, 64, dtype=dtype), torch.randn(B, 3, cached + q, 64, dtype=dtype)
+        mask = torch.ones(B, 1, q, cached + q, dtype=torch.bool).tril(cached)
+        repeated = median_call_us(lambda: F.scaled_dot_product_attention(
+            query, key.repeat_interleave(3, 1), value.repeat_interleave(3, 1), attn_mask=mask, scale=0.125), 300, 20)
+        gqa = median_call_us(lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.125,
+                                                                enable_gqa=True), 300, 20)
+        packed = median_call_us(lambda: packed_gqa_sdpa(module, query, key, value, mask, scaling=0.125), 300, 20)
+        diff = (packed_gqa_sdpa(module, query, key, value, mask, scaling=0.125)[0].float()
+                - sdpa_attention_forward(module, query, key, value, mask, scaling=0.125)[0].float()).abs().max()
+        print(f"| {B} | {cached} | {q} | {repeated:.0f} | {gqa:.0f} | {packed:.0f} | {diff.item():.3g} |")
 
 
 if __name__ == "__main__":

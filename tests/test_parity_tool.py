@@ -361,6 +361,51 @@ def chain_and_steps(target, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]
     return tree, torch.stack(steps)
 
 
+def batched_chain(target, prefixes: list[list[int]], ids: list[list[int]]) -> torch.Tensor:
+    """Logits (B, N, V) of each row's ``ids`` verified as one chain after its cached
+    ``prefixes`` (B rows of P tokens), all rows in one forward."""
+    from specdraft.cache import CompactCache
+
+    (B, P), n = torch.tensor(prefixes).shape, len(ids[0])
+    cache = CompactCache(target.num_layers, B, 16, target.device).allocate(*target.kv_shape, target.dtype)
+    pos = torch.arange(P)
+    with torch.no_grad():
+        causal = (pos[:, None] >= pos[None, :])[None].expand(B, P, P)
+        target.forward(torch.tensor(prefixes), pos[None].expand(B, P), cache.attention_mask(causal), cache)
+        cache.commit(pos[None].expand(B, P), torch.full((B,), P))
+        chain = torch.ones(n, n, dtype=torch.bool).tril()[None].expand(B, n, n)
+        return target.logits(target.forward(torch.tensor(ids), P + torch.arange(n)[None].expand(B, n),
+                                            cache.attention_mask(chain), cache))
+
+
+@pytest.mark.parametrize("dtype,mode,packed", [("bfloat16", "fast", True), ("bfloat16", "bitwise", False),
+                                               ("float32", "fast", False)])
+def test_batched_trees_pack_query_heads_in_reduced_precision(tiny_target_path, monkeypatch, dtype, mode, packed):
+    """A verify forward of several rows' trees runs ``packed_gqa_sdpa`` (each kv head's query
+    heads as rows of one head) in bfloat16 with "fast" tree attention, and not in float32 (whose
+    exactness rests on the grouped kernel) nor with "bitwise" trees (chunks bitwise one-token
+    decoding's); one row's tree never does, nor rows of more than PACKED_TREE_QUERIES tokens. Each row's logits are those of the row verified
+    alone: bitwise for bitwise trees, up to rounding elsewhere."""
+    target = load_target(str(tiny_target_path), dtype=dtype, tree_attention=mode)
+    calls = []
+    real = fastpath.packed_gqa_sdpa
+    monkeypatch.setattr(fastpath, "packed_gqa_sdpa", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    prefixes, rows = [[1, 2, 3, 4, 5], [6, 5, 4, 3, 2]], [[3, 7, 2, 9], [4, 5, 1, 8]]
+    both = batched_chain(target, prefixes, rows)
+    assert bool(calls) == packed and all(shape[0] == 2 and shape[2] == 4 for shape in calls)
+    calls.clear()
+    alone = torch.cat([batched_chain(target, [prefix], [row]) for prefix, row in zip(prefixes, rows)])
+    assert not calls  # one row: the grouped kernel
+    batched_chain(target, prefixes, [row + [1] * (fastpath.PACKED_TREE_QUERIES + 1 - len(row)) for row in rows])
+    assert not calls  # more tokens a row than PACKED_TREE_QUERIES: the grouped kernel
+    if dtype == "float32":  # more rows take other matmul blockings: rounding apart
+        torch.testing.assert_close(both, alone, atol=1e-5, rtol=1e-5)
+    elif packed:
+        torch.testing.assert_close(both, alone, atol=0.1, rtol=0.05)
+    else:
+        assert torch.equal(both, alone)
+
+
 @pytest.mark.parametrize("mode", ["bitwise", "fast"])
 def test_bf16_tree_attention_modes(tiny_target_path, monkeypatch, mode):
     """In bfloat16, with ``tree_attention="bitwise"`` a verify forward of a 6-token chain gives,
@@ -411,11 +456,13 @@ def test_tree_attention_skips_repeated_kv_heads_and_stays_bitwise(tiny_target_pa
     """A verify forward of a tree (masked, several query rows) runs SDPA with the grouped
     key/value heads as they are (``enable_gqa``, no repeat_kv copies) and gives bitwise the
     logits of transformers' own SDPA attention (repeat_kv) on the same cache; rows of a batch
-    with different cached lengths included."""
+    with different cached lengths included. (The grouped kernel's path: bfloat16 batches pack
+    their trees' query heads instead, ``test_batched_trees_pack_query_heads_in_reduced_precision``.)"""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from specdraft.timing import prefill
 
+    monkeypatch.setattr(fastpath, "PACKED_TREE_DTYPES", ())
     target = load_target(str(tiny_target_path), dtype=dtype)
     assert target.model.config.num_key_value_heads < target.model.config.num_attention_heads  # a GQA target
     from transformers.integrations import sdpa_attention

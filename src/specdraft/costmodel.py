@@ -40,10 +40,11 @@ COST_LONG_TOKENS = (1, 8, 32)
 BATCH_ROWS = (4, 16)  # batch sizes with their own curve (batch 1: the main curve)
 BATCH_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16)  # tokens per row measured at those batch sizes
 BUSY_SHARE = 0.1  # others' share of the CPU above which a measured model is not cached (load_cost_model)
-FORMAT = 6  # 2: with batch curves; 3: paired within rounds; 4: tree attention without repeated
+FORMAT = 7  # 2: with batch curves; 3: paired within rounds; 4: tree attention without repeated
 # key/value heads (fastpath.masked_gqa_sdpa: trees got cheaper); 5: kept only if measured on a
 # quiet machine (BUSY_SHARE): an older cached model may be a busy spell's, so it is measured again;
-# 6: bf16 tree attention in one SDPA call unless Target.tree_attention is "bitwise" (trees got cheaper)
+# 6: bf16 tree attention in one SDPA call unless Target.tree_attention is "bitwise" (trees got cheaper);
+# 7: reduced-precision trees of several rows with packed query heads (fastpath.PACKED_TREE_DTYPES)
 
 
 @dataclass

@@ -311,6 +311,15 @@ def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 # attention: fast or bitwise"), and the parts that stay unclosed leave most long greedy
 # outputs at near-ties against generate() either way.
 QUERY_CHUNK = {torch.bfloat16: 3, torch.float16: 3}
+# Dtypes whose batched trees (B >= 2 rows of 2 to PACKED_TREE_QUERIES tokens, "fast" tree
+# attention) run ``packed_gqa_sdpa``: each kv head's query heads as rows of one head, so every key
+# and value is read once per kv head, not once per query head as the grouped SDPA kernel reads
+# them. One layer, SmolLM2's shapes, bfloat16, AVX512-BF16 EPYC, 16 rows x 2 tree tokens over 300
+# / 800 cached: 0.92 -> 0.53 / 2.19 -> 1.18 ms (docs/engine.md, "Batched trees"). Not float32:
+# there packed rows of 2-3 tokens are not bitwise the grouped kernel's, which float32's exactness
+# (identical to generate()) rests on; not batch 1 (~15% slower there), nor 8 tokens a row (mixed).
+PACKED_TREE_DTYPES = (torch.bfloat16, torch.float16)
+PACKED_TREE_QUERIES = 4
 TREE_ATTENTION = ("fast", "bitwise")  # Target.tree_attention: one SDPA call per tree, or QUERY_CHUNK groups
 ATTENTION = "specdraft_sdpa"  # the attn_implementation name targets load with
 
@@ -319,8 +328,9 @@ def chunked_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
                  attention_mask: torch.Tensor | None, **kwargs):
     """transformers' SDPA attention; inside ``active()``, on CPU, queries (B, H, q, D) that
     attend to a cache (more keys than queries: a verify step, not a prefill) run as
-    ``masked_gqa_sdpa``, and inside ``active(bitwise=True)`` at a dtype of ``QUERY_CHUNK`` in
-    groups of ``QUERY_CHUNK[dtype]`` rows. Returns ((B, q, H, D), None)."""
+    ``masked_gqa_sdpa`` (as ``packed_gqa_sdpa`` where B >= 2 and 2 <= q <= ``PACKED_TREE_QUERIES``
+    at a dtype of ``PACKED_TREE_DTYPES``), and inside ``active(bitwise=True)`` at a dtype of ``QUERY_CHUNK``
+    in groups of ``QUERY_CHUNK[dtype]`` rows. Returns ((B, q, H, D), None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     q = query.shape[2]
@@ -332,6 +342,8 @@ def chunked_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     if _depth == 0 or key.shape[2] <= q or query.device.type != "cpu":
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     rows = QUERY_CHUNK.get(query.dtype) if _bitwise else None  # read after the compile test: no guard on it
+    if rows is None and 1 < q <= PACKED_TREE_QUERIES and query.shape[0] > 1 and query.dtype in PACKED_TREE_DTYPES:
+        return packed_gqa_sdpa(module, query, key, value, attention_mask, **kwargs)
     if rows is None or q <= rows:
         return masked_gqa_sdpa(module, query, key, value, attention_mask, **kwargs)
     outs = []
