@@ -195,6 +195,23 @@ def test_tree_token_cap_shares_drafts_between_rows(tiny_target):
     assert max(alone.drafted_hist) == 5  # one row: the full beam (L - 1 drafted tokens) fits
 
 
+def test_no_drafter_call_when_the_cap_leaves_no_row_a_draft(tiny_target):
+    """With as many rows as max_tree_tokens or more (a fixed shape on a CPU: 8 tokens over 16
+    rows), no row may draft: the drafter is not called, and the output is plain decoding's;
+    with a share of two tokens a row it is called."""
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompts = PROMPTS + [p[::-1] for p in PROMPTS]  # 8 rows
+    drafter = RandomBeamsDrafter(16, beam_width=1, beam_length=3, seed=1)
+    calls = []
+    propose = drafter.propose
+    drafter.propose = lambda ctx: calls.append(len(ctx.g0)) or propose(ctx)
+    results = SpeculativeEngine(tiny_target, drafter, max_tree_tokens=8).generate(prompts, params)
+    assert [r.token_ids for r in results] == reference(tiny_target, prompts, params)
+    assert not calls  # 8 tokens over 8 rows: g0 alone a row, never called
+    SpeculativeEngine(tiny_target, drafter, max_tree_tokens=16).generate(prompts, params)
+    assert calls and set(calls) == {8}  # g0 and one drafted token a row: called
+
+
 def test_tree_token_cap_defaults_by_device(tiny_target):
     assert SpeculativeEngine(tiny_target, NoDrafter()).max_tree_tokens == 8  # CPU
     assert SpeculativeEngine(tiny_target, NoDrafter(), max_tree_tokens=None).max_tree_tokens is None

@@ -173,19 +173,17 @@ class SpeculativeEngine:
     def step(self, batch: Batch) -> list[StepEvent]:
         """One draft -> verify -> accept -> update round for every row of ``batch``.
 
-        With a policy, a step it plans without drafting (and one whose proposal holds no
-        drafted token) runs as ``_plain_step``: no drafter call, no tree packing."""
+        A step planned without drafting (by the policy, or because no row may hold a drafted
+        token: ``_plan``), and one whose proposal holds no drafted token, runs as
+        ``_plain_step``: no tree packing, and in the first case no drafter call."""
         target, timer, cache, ctx = self.target, batch.timer, batch.cache, batch.ctx
         stats = [r.adapt for r in batch.rows] if self.policy is not None else None
         step_start, width = time.perf_counter(), cache.width  # the policy learns what steps really cost
         weights = finish_weights(self._remaining(batch.rows)) if stats is not None and batch.static else None
-        if stats is not None:
-            depth = self.policy.plan(stats, ctx.budget, cache.width, weights, reach=self.drafter.max_depth(ctx))
-            self.trace(self.policy, stats, depth, cache.width)
-            if depth == 0:
-                batch.steady = False  # the drafter's next call catches up on this step's token
-                return self._plain_step(batch, proposed=False, started=step_start)
-            ctx = replace(ctx, budget=ctx.budget.clamp(max=self.policy.call_depth(depth) + 1))
+        depth, ctx = self._plan(batch, ctx, stats, weights)
+        if depth == 0:
+            batch.steady = False  # the drafter's next call catches up on this step's token
+            return self._plain_step(batch, proposed=False, started=step_start)
         with timer("draft"):
             started = time.perf_counter()
             proposal = self._clip(self.drafter.propose(ctx), ctx.budget)
@@ -230,6 +228,19 @@ class SpeculativeEngine:
             self.policy.observe_step(True, len(stats), tree.tokens.numel(), width, time.perf_counter() - step_start - drafting)
             self._judge_look(stats, acc.n, step_start, width)
         return events
+
+    def _plan(self, batch: Batch, ctx: DraftContext, stats, weights) -> tuple[int | None, DraftContext]:
+        """How deep this step drafts, and the context to draft with: 0 for a plain step (the
+        policy's choice, or no row may hold a drafted token: the tree-token cap over many rows
+        or one token left each, where a drafter call could only propose g0); with a policy its
+        depth, the budget cut to it; without one None (the drafter's own shape)."""
+        if stats is None:
+            return (0 if int(ctx.budget.max()) <= 1 else None), ctx
+        depth = self.policy.plan(stats, ctx.budget, batch.cache.width, weights, reach=self.drafter.max_depth(ctx))
+        self.trace(self.policy, stats, depth, batch.cache.width)
+        if depth:
+            ctx = replace(ctx, budget=ctx.budget.clamp(max=self.policy.call_depth(depth) + 1))
+        return depth, ctx
 
     @staticmethod
     def _keep_states(batch: Batch, tree_hidden: torch.Tensor, tree_features: torch.Tensor | None,
