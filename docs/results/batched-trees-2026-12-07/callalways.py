@@ -2,7 +2,10 @@
 engine built for the same method spec (e.g. `lookup@1x4/fixed` then `lookup@1x4/fixed/int8`)
 calls its drafter on every step without a policy, as before 2026-12-07 (late).
 Usage: python callalways.py bench --drafters ...  (the arguments of `specdraft`)."""
-from specdraft.bench.ab import run_with_second_engine
+import sys
+
+from specdraft.bench.ab import patch_second_engine
+from specdraft.cli import main
 
 
 def call_always(engine):
@@ -13,4 +16,5 @@ def call_always(engine):
     engine._plan = old_plan
 
 
-run_with_second_engine(call_always, "the drafter called on every step")
+patch_second_engine(call_always, "the drafter called on every step")
+sys.exit(main(sys.argv[1:]))

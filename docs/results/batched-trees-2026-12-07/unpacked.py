@@ -9,7 +9,10 @@ import os
 
 from specdraft import fastpath
 from specdraft.bench import methods
-from specdraft.bench.ab import run_with_second_engine
+import sys
+
+from specdraft.bench.ab import patch_second_engine
+from specdraft.cli import main
 
 NO_CAP = os.environ.get("AB_NO_CAP") == "1"
 built = methods.EngineMethod.__init__
@@ -35,4 +38,5 @@ def grouped(engine):
 
 
 methods.EngineMethod.__init__ = nocap
-run_with_second_engine(grouped, "trees through the grouped kernel")
+patch_second_engine(grouped, "trees through the grouped kernel")
+sys.exit(main(sys.argv[1:]))

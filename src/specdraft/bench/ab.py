@@ -11,7 +11,8 @@ Worked example (docs/results/batched-trees-2026-12-07/unpacked.py)::
             ...                   # set the old state, call step, restore
         engine.step = old_step
 
-    run_with_second_engine(grouped, "trees through the grouped kernel")
+    patch_second_engine(grouped, "trees through the grouped kernel")
+    sys.exit(specdraft.cli.main(sys.argv[1:]))   # the script runs the command line itself
 """
 
 from __future__ import annotations
@@ -36,11 +37,3 @@ def patch_second_engine(patch: Callable, label: str) -> None:
 
     methods.EngineMethod.__init__ = init
 
-
-def run_with_second_engine(patch: Callable, label: str) -> None:
-    """``specdraft`` with this process's arguments (e.g. ``bench --drafters ...``), the second
-    engine of each spec patched (``patch_second_engine``); exits with its status."""
-    from ..cli import main
-
-    patch_second_engine(patch, label)
-    sys.exit(main(sys.argv[1:]))
