@@ -317,7 +317,8 @@ QUERY_CHUNK = {torch.bfloat16: 3, torch.float16: 3}
 # them. One layer, SmolLM2's shapes, bfloat16, AVX512-BF16 EPYC, 16 rows x 2 tree tokens over 300
 # / 800 cached: 0.92 -> 0.53 / 2.19 -> 1.18 ms (docs/engine.md, "Batched trees"). Not float32:
 # there packed rows of 2-3 tokens are not bitwise the grouped kernel's, which float32's exactness
-# (identical to generate()) rests on; not batch 1 (~15% slower there), nor 8 tokens a row (mixed).
+# (identical to generate()) rests on; not batch 1 (slower over short caches: 2 tokens over 300
+# cached 64 -> 78 us), nor 8 tokens a row (mixed).
 PACKED_TREE_DTYPES = (torch.bfloat16, torch.float16)
 PACKED_TREE_QUERIES = 4
 TREE_ATTENTION = ("fast", "bitwise")  # Target.tree_attention: one SDPA call per tree, or QUERY_CHUNK groups
