@@ -364,15 +364,11 @@ def chain_and_steps(target, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]
 def batched_chain(target, prefixes: list[list[int]], ids: list[list[int]]) -> torch.Tensor:
     """Logits (B, N, V) of each row's ``ids`` verified as one chain after its cached
     ``prefixes`` (B rows of P tokens), all rows in one forward."""
-    from specdraft.cache import CompactCache
+    from specdraft.timing import prefill
 
     (B, P), n = torch.tensor(prefixes).shape, len(ids[0])
-    cache = CompactCache(target.num_layers, B, 16, target.device).allocate(*target.kv_shape, target.dtype)
-    pos = torch.arange(P)
+    cache = prefill(target, P, 16, rows=B, ids=torch.tensor(prefixes))
     with torch.no_grad():
-        causal = (pos[:, None] >= pos[None, :])[None].expand(B, P, P)
-        target.forward(torch.tensor(prefixes), pos[None].expand(B, P), cache.attention_mask(causal), cache)
-        cache.commit(pos[None].expand(B, P), torch.full((B,), P))
         chain = torch.ones(n, n, dtype=torch.bool).tril()[None].expand(B, n, n)
         return target.logits(target.forward(torch.tensor(ids), P + torch.arange(n)[None].expand(B, n),
                                             cache.attention_mask(chain), cache))

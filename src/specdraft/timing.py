@@ -104,11 +104,15 @@ def time_forward(target: Target, cache: CompactCache, n: int, prefix: int, trial
     return times
 
 
-def prefill(target: Target, prefix: int, capacity: int, rows: int = 1) -> CompactCache:
-    """A cache of ``rows`` rows, each holding ``prefix`` random tokens, committed."""
+def prefill(target: Target, prefix: int, capacity: int, rows: int = 1,
+            ids: torch.Tensor | None = None) -> CompactCache:
+    """A cache of ``rows`` rows, each holding ``prefix`` tokens, committed: ``ids`` (rows,
+    prefix) if given, else random ones (seeded)."""
     device = target.device
     cache = CompactCache(target.num_layers, rows, capacity, device).allocate(*target.kv_shape, target.dtype)
-    ids = torch.randint(target.vocab_size, (rows, prefix), generator=torch.Generator().manual_seed(0)).to(device)
+    if ids is None:
+        ids = torch.randint(target.vocab_size, (rows, prefix), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
     pos = torch.arange(prefix, device=device)
     causal = (pos[:, None] >= pos[None, :])[None].expand(rows, prefix, prefix)
     with torch.no_grad():
