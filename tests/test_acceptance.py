@@ -386,13 +386,15 @@ def test_sample_catches_a_biased_law():
 
 
 def test_two_level_sample_is_the_plain_inverse_cdf():
-    """``sample`` finds the threshold's block, then the token inside it; that must be the
-    token a single float64 running sum over the whole row gives for the same uniform: over
-    ragged sizes (not multiples of the block), zero blocks, and mass far in the tail."""
-    from specdraft.sampling import SAMPLE_BLOCK
+    """Over a wide row ``sample`` finds the threshold's block, then the token inside it; that
+    must be the token a single float64 running sum over the whole row gives for the same
+    uniform (what narrow rows compute directly): over ragged sizes (not multiples of the
+    block), zero blocks, and mass far in the tail, on both sides of ``SAMPLE_DIRECT_MAX``."""
+    from specdraft.sampling import SAMPLE_BLOCK, SAMPLE_DIRECT_MAX
 
     gen = torch.Generator().manual_seed(7)
-    for V in (5, SAMPLE_BLOCK, 3 * SAMPLE_BLOCK + 17, 1000):
+    wide = (SAMPLE_DIRECT_MAX + 1, SAMPLE_DIRECT_MAX + 3 * SAMPLE_BLOCK + 17)
+    for V in (5, SAMPLE_BLOCK, 3 * SAMPLE_BLOCK + 17, 1000, SAMPLE_DIRECT_MAX) + wide:
         w = torch.rand(400, V, generator=gen) ** 4
         w[:, : V // 2] *= (torch.rand(400, 1, generator=gen) < 0.5)  # half the rows: zero head
         w[w < 0.05] = 0  # many zero weights, whole zero blocks among them
