@@ -7,6 +7,7 @@ check exit codes and that user errors never show a traceback.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -338,3 +339,19 @@ def test_trainer_configs_carry_every_option_with_the_cli_defaults(argv, cls, req
     assert config_cls.from_options(args) == config_cls(out="x", **required)
     names = {f.name for f in dataclasses.fields(config_cls)}
     assert set(vars(args)) - names == {"command", "command_line", "debug", "drafter_kind", "run"}
+
+
+@pytest.mark.parametrize("world_size", ["1", "2"])
+def test_a_launched_rank_leaves_without_interpreter_teardown(world_size):
+    """``console`` (the program's entry point): one rank of several (WORLD_SIZE > 1) exits
+    with the command's code without the interpreter's teardown, where gloo's leftover threads
+    raced it; a lone process exits normally (its atexit handlers run)."""
+    script = ("import atexit, sys\n"
+              "atexit.register(lambda: print('teardown', flush=True))\n"
+              "sys.argv = ['specdraft', 'generate', '--temperature', '-1', '--prompt', 'x']\n"
+              "from specdraft.cli import console\n"
+              "console()\n")
+    env = {**os.environ, "WORLD_SIZE": world_size}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2 and "temperature must be >= 0" in proc.stderr
+    assert ("teardown" in proc.stdout) == (world_size == "1")

@@ -1,8 +1,6 @@
 """``python -m specdraft``: the same command line as the ``specdraft`` script."""
 
-import sys
-
-from .cli import main
+from .cli import console
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -87,6 +87,23 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(parse_args(argv))
 
 
+def console() -> None:
+    """The ``specdraft`` program (script and ``python -m specdraft``): ``main``, then exit.
+
+    A process launched as one rank of several (``WORLD_SIZE`` > 1: ``accelerate launch``,
+    ``torchrun``) leaves without the interpreter's teardown once the command has returned (its
+    outputs saved and closed): gloo's worker threads outlive ``destroy_process_group`` there
+    (held from C++), and tearing the interpreter down under them now and then aborted a rank
+    after a finished run ("terminate called without an active exception"), which the launcher
+    reports as a failed job."""
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def run_command(args: argparse.Namespace) -> int:
     """The error boundary of every subcommand: shared checks, then ``args.run``; whatever
     fails becomes one stderr line and an exit code (see the module docstring)."""
