@@ -46,7 +46,8 @@ def build_engine(spec: EngineSpec):
     if spec.int8_drafter:
         drafter.quantize()  # before the engine: adaptive drafting times the drafter as it will run
     if spec.compile_target:
-        compile_target(target)  # before the cost model: adaptive drafting weighs the compiled forward's cost
+        # before the cost model: adaptive drafting weighs the compiled forward's cost
+        compile_target(target, layers=tuple(getattr(drafter, "feature_layers", ())))
     engine = SpeculativeEngine(target, drafter, max_tree_tokens=spec.max_tree_tokens,
                                policy=adaptive_policy(target, drafter, spec.adaptive))
     if (spec.compile_drafter and drafter.compile()) or spec.compile_target:
@@ -63,14 +64,22 @@ WARM_UP_TOKENS = 24
 COMPILE_CLASSES = ((1, (1, 2, 5)), (2, (1, 2)), (8, (1,)))
 
 
-def compile_target(target, backend: str = "inductor") -> None:
-    """``Target.compile``, then compile the size classes (``graphs``) the engine feeds before
-    anything is timed or served: a prefill into an empty cache, then after a cached prefix one
+def compile_target(target, backend: str = "inductor", layers: tuple[int, ...] = ()) -> None:
+    """On a CPU with inductor: ``aot.compile_packaged`` (packages on disk, built or loaded as
+    ``warm_up`` meets their classes, each returning the inner ``layers`` the drafter reads). Otherwise ``Target.compile``, then compile the size classes
+    (``graphs``) the engine feeds before anything is timed or served: a prefill into an empty cache, then after a cached prefix one
     row of 1, 2 and 5 tokens (one, few, many), two rows of 1 and 2 (few; both dimensions above
     one) and eight rows of one token (many). Shapes met later still compile until ``warm_up``
     ends with ``Target.warmed``."""
     from .timing import prefill, time_forward
 
+    if backend == "inductor" and target.device.type == "cpu":
+        # Packages kept on disk (``aot``): each class builds once per machine, as ``warm_up``
+        # meets it, and loads in seconds in later processes.
+        from .aot import compile_packaged
+
+        compile_packaged(target, layers=layers)
+        return
     target.compile(backend)
     prefix = min(16, target.max_context // 4)
     for rows, sizes in COMPILE_CLASSES:
@@ -80,8 +89,8 @@ def compile_target(target, backend: str = "inductor") -> None:
 
 
 def warm_up(engine) -> None:
-    """Generate a little at batch 1 and at batch 2, so that a compiled drafter or target compiles the
-    shapes serving meets (a prompt, then steps feeding one and several tokens; torch.compile
+    """Generate a little at batch 1 and at batch 2 (and 8 for a packaged target), so that a
+    compiled drafter or target compiles the shapes serving meets (a prompt, then steps feeding one and several tokens; torch.compile
     specialises sizes 0 and 1) before the first request; after it a shape not seen yet runs
     eager (``Drafter.warmed``). The policy is detached meanwhile: compiling takes seconds
     per shape, which must not reach its estimates of drafting cost. A compiled target
@@ -92,14 +101,17 @@ def warm_up(engine) -> None:
 
     target, tok = engine.target, engine.target.tokenizer
     if target.compiled:
-        target.stance = "default"
+        target.warming()
     chat = getattr(tok, "chat_template", None) is not None
     prompt = target.encode_prompt(WARM_UP_PROMPT, chat=chat) if tok is not None else list(range(1, 33))
     room = target.max_context // 2  # a tiny test model's context may be short
     params = SamplingParams(max_new_tokens=min(WARM_UP_TOKENS, room // 2))
+    # A packaged target (``aot``) also builds the class of many one-token rows here, which
+    # ``compile_target`` compiles up front for torch.compile (a batch of plain steps past FEW_ROWS).
+    batches = (1, 2, 8) if getattr(target, "packaged", None) is not None else (1, 2)
     policy, engine.policy = engine.policy, None
     try:
-        for batch in (1, 2):
+        for batch in batches:
             for ids in (prompt[-8:], (prompt * 8)[: min(96, room)]):  # a short and a long first feed
                 engine.generate([ids] * batch, params)
     finally:

@@ -85,6 +85,18 @@ class CompactCache(Cache):
             layer.lazy_initialization(empty, empty)
         return self
 
+    @classmethod
+    def over(cls, keys: list[torch.Tensor], values: list[torch.Tensor], width) -> "CompactCache":
+        """A cache whose layers are the given buffers (B, H_kv, capacity, D), ``width`` slots in
+        use, written in place by ``update`` (a compiled step's view of the engine's cache:
+        ``aot.Step``). ``lengths`` is not known here and not needed by a forward."""
+        cache = cls(len(keys), keys[0].shape[0], keys[0].shape[2], keys[0].device)
+        cache.width = width
+        for layer, k, v in zip(cache.layers, keys, values):
+            layer.keys, layer.values, layer.is_initialized = k, v, True
+            layer.dtype, layer.device = k.dtype, k.device
+        return cache
+
     def commit(self, accepted: torch.Tensor, n_accepted: torch.Tensor) -> None:
         """Keep the accepted tree tokens of the last forward pass.
 

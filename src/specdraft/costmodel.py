@@ -153,7 +153,7 @@ def cost_model_key(target) -> str:
     how many sibling linears it stacks (``siblings``: ~8% off a bf16 one-token forward), and
     whether the target runs compiled (``Target.compile``: up to ~2x faster forwards; "size-classes":
     since each class of rows has its own graph and GEMMs, ``graphs``; 8 tree tokens 2.6x -> 2.2x
-    a one-token step), and
+    a one-token step; "aot": ``aot.compile_packaged``'s packages, other code again), and
     whether its tree attention is chunked (``Target.tree_attention``: 8 tree tokens ~1.2x dearer)."""
     from . import fastpath, siblings
 
@@ -162,7 +162,8 @@ def cost_model_key(target) -> str:
     return (f"{target.name}|{target.dtype}|{target.device}|threads={torch.get_num_threads()}|"
             f"torch={torch.__version__}|linear={fastpath.layout_name(target.dtype)}|cost={FORMAT}"
             + (f"|stacked={stacked}" if stacked else "")
-            + ("|compiled=size-classes" if getattr(target, "compiled", False) else "")
+            + (("|compiled=aot" if getattr(target, "packaged", None) is not None else "|compiled=size-classes")
+               if getattr(target, "compiled", False) else "")
             + ("|tree=bitwise" if chunked else ""))
 
 

@@ -258,9 +258,10 @@ def layout_name(dtype: torch.dtype) -> str:
 def layout_for(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     """The layout a product of ``x`` (..., in) with ``weight`` takes now, or None for stock
     F.linear: outside ``active()``, off CPU, at a dtype without a layout, above the layout's
-    row limit, or (packed: oneDNN's product has no backward) where grads are wanted."""
+    row limit, (packed: oneDNN's product has no backward) where grads are wanted, or while
+    traced (torch.compile, torch.export: the compiler picks its own kernels)."""
     # Cheap tests first: this runs for every linear of every forward.
-    if _depth == 0 or not x.is_cpu:
+    if _depth == 0 or not x.is_cpu or torch.compiler.is_compiling():
         return None
     layout = CHOSEN.get(weight.dtype, LAYOUTS.get(weight.dtype))
     if layout is None:
@@ -289,8 +290,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear(x, weight, bias); inside ``active()`` on CPU through the layout chosen for the
     weight's dtype. ``holder`` (any object taking attributes, e.g. the module) keeps the
     packed copy; without one the packed layout is not used."""
-    if torch.compiler.is_compiling():  # traced (a compiled drafter): inductor picks the kernel
-        return F.linear(x, weight, bias)
     layout = layout_for(x, weight)
     if layout is None or (layout != TRANSPOSED and holder is None):
         return F.linear(x, weight, bias)

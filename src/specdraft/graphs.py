@@ -24,6 +24,8 @@ Worked example (batch 1): plain decoding feeds (1, 1) → the static graph; a 1 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # Inductor's config around a CPU target's compiled calls (``models.Target.compile`` says why):
@@ -36,20 +38,40 @@ FEW_ROWS = 4
 MANY_ROWS = 1 << 20  # the upper bound of the many-rows class: more than any batch or context
 
 
+@dataclass(frozen=True)
+class SizeClass:
+    """One graph's share of the calls (B, N): ``name``; ``bounds`` {dim: (min, max)} of the
+    dimensions (0: rows B, 1: tokens N) that are dynamic in it (absent: static, of the size
+    given); ``few``: inductor's C++ GEMM among its candidates."""
+
+    name: str
+    bounds: dict
+    few: bool
+
+
+def size_class(batch: int, tokens: int) -> SizeClass:
+    """The size class of a call feeding ``tokens`` tokens in each of ``batch`` rows, e.g.
+    (1, 1) one; (1, 3) few-tokens; (3, 1) few-rows; (1, 8) many-tokens; (16, 1) many-rows;
+    (2, 2) many."""
+    if batch * tokens == 1:
+        return SizeClass("one", {}, True)
+    dims = [dim for dim, size in enumerate((batch, tokens)) if size > 1]
+    if not dims:  # an empty call: nothing to tune
+        return SizeClass("empty", {}, False)
+    if batch * tokens <= FEW_ROWS and len(dims) == 1:
+        return SizeClass(("few-rows", "few-tokens")[dims[0]], {dims[0]: (2, FEW_ROWS)}, True)
+    if len(dims) == 2:
+        return SizeClass("many", {0: (2, MANY_ROWS), 1: (2, MANY_ROWS)}, False)
+    # past the few rows, a bound no call reaches (an open one fails torch 2.13's range analysis)
+    return SizeClass(("many-rows", "many-tokens")[dims[0]], {dims[0]: (FEW_ROWS + 1, MANY_ROWS)}, False)
+
+
 def mark_size_class(inputs: dict) -> bool:
     """Mark ``inputs``' ``input_ids`` and ``position_ids`` (B, N) with their size class's dynamic
     ranges (``torch._dynamo.mark_dynamic``, per call: the tensors are fresh) and return whether
     inductor's C++ GEMM may serve the class (one row, or few rows along one dimension)."""
-    batch, tokens = inputs["input_ids"].shape
-    rows = batch * tokens
-    if rows == 1:
-        return True
-    few = rows <= FEW_ROWS and min(batch, tokens) == 1
-    # past the few rows, a bound no call reaches (an open one fails torch 2.13's range analysis)
-    bounds = dict(min=2, max=FEW_ROWS) if few else dict(min=FEW_ROWS + 1 if min(batch, tokens) == 1 else 2,
-                                                         max=MANY_ROWS)
-    for dim, size in enumerate((batch, tokens)):
-        if size > 1:
-            for name in ("input_ids", "position_ids"):
-                torch._dynamo.mark_dynamic(inputs[name], dim, **bounds)
-    return few
+    size = size_class(*inputs["input_ids"].shape)
+    for dim, (low, high) in size.bounds.items():
+        for name in ("input_ids", "position_ids"):
+            torch._dynamo.mark_dynamic(inputs[name], dim, min=low, max=high)
+    return size.few

@@ -231,7 +231,8 @@ class Target:
         self.sliding_window = getattr(cfg, "sliding_window", None) if "sliding_attention" in layer_types else None
         self.mask_by_layer_type = bool(layer_types)
         self.eos_ids = self._eos_ids()
-        self.compiled = False  # the decoder stack runs through torch.compile (``compile``)
+        self.compiled = False  # the decoder stack runs compiled (``compile`` or ``aot.compile_packaged``)
+        self.packaged = None  # aot.PackagedStep: the step's ahead-of-time packages (``aot.compile_packaged``)
         self.stance = "default"  # torch.compiler stance of compiled forwards (``warmed``)
         self.inductor_options: dict = {}  # inductor config around compiled forwards (``compile``)
         # fastpath.TREE_ATTENTION: "fast" (one SDPA call per tree) or "bitwise" (in reduced
@@ -287,7 +288,11 @@ class Target:
             attn = {"full_attention": attn}
         inputs = dict(input_ids=tokens, attention_mask=attn, position_ids=positions, past_key_values=cache,
                       use_cache=True)
-        if self.compiled:
+        if self.packaged is not None:
+            out = self.packaged(layers, inputs)
+            if out is not None:
+                return out
+        elif self.compiled:
             return self._compiled_states(layers, inputs)
         with fastpath.active(bitwise=self.tree_attention == "bitwise"):
             return self.states(layers, **inputs)
@@ -361,11 +366,19 @@ class Target:
                                   options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self.compiled, self.stance = True, "default"
 
+    def warming(self) -> None:
+        """A warm-up starts: shapes not compiled yet compile (``build.warm_up``)."""
+        self.stance = "default"
+        if self.packaged is not None:
+            self.packaged.warming()
+
     def warmed(self) -> None:
         """Warm-up is done: from now on a shape not compiled yet runs eager, since a compile
         would stall a step for seconds to minutes."""
         if self.compiled:
             self.stance = "eager_on_recompile"
+        if self.packaged is not None:
+            self.packaged.build = False
 
     def _masks(self, mask: torch.Tensor, positions: torch.Tensor, cache) -> dict:
         # Committed slot s holds position s; new tokens sit at their own positions.

@@ -87,10 +87,12 @@ def add_tree_attention_arg(group) -> None:
 
 def add_compile_target_arg(group) -> None:
     group.add_argument("--compile-target", action="store_true",
-                       help="torch.compile the target's decoder stack and warm it up before the first request "
-                            "(minutes the first time, less once torch's compile cache holds it): up to ~2x faster "
-                            "forwards on CPU in bfloat16; compiled kernels round differently, so output may part "
-                            "from eager decoding at numerical near-ties (check with specdraft parity --compile-target)")
+                       help="compile the target's decoder stack and warm it up before the first request: on CPU "
+                            "ahead-of-time packages kept in the model cache (a few minutes per shape class the first "
+                            "time on a machine, seconds to load after), elsewhere torch.compile (every process); "
+                            "~2-3x faster forwards on CPU in bfloat16; compiled kernels round differently, so output "
+                            "may part from eager decoding at numerical near-ties (check with specdraft parity "
+                            "--compile-target)")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
