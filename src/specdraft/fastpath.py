@@ -260,8 +260,9 @@ def layout_for(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     F.linear: outside ``active()``, off CPU, at a dtype without a layout, above the layout's
     row limit, (packed: oneDNN's product has no backward) where grads are wanted, or while
     traced (torch.compile, torch.export: the compiler picks its own kernels)."""
-    # Cheap tests first: this runs for every linear of every forward.
-    if _depth == 0 or not x.is_cpu or torch.compiler.is_compiling():
+    # Cheap tests first: this runs for every linear of every forward. The compile test before
+    # any other: a global read while traced becomes a guard (a recompile when it changes).
+    if torch.compiler.is_compiling() or _depth == 0 or not x.is_cpu:
         return None
     layout = CHOSEN.get(weight.dtype, LAYOUTS.get(weight.dtype))
     if layout is None:
