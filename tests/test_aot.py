@@ -128,3 +128,16 @@ def test_packages_return_the_drafters_layers_and_serve_calls_reading_fewer(tmp_p
     plain.warmed()
     time_forward(plain, prefill(plain, 8, 24), 1, 8, trials=0, warmup=1)
     assert plain.packaged.loaded == ["many-tokens-0", "one-0"] and plain.packaged.built == []
+
+
+def test_a_bench_run_asks_its_packages_for_every_layer_its_drafters_read(tiny_target, tmp_path):
+    """``bench.specs.feature_layers``: the union over a run's methods (peers and shape suffixes
+    included), which ``specdraft bench --compile-target`` gives the packages it builds, so that
+    `none` warming before a head does not build a second, layerless set."""
+    from specdraft.bench.specs import feature_layers
+    from specdraft.heads import ReDrafterHead
+
+    ReDrafterHead.for_target(tiny_target, feature_layers=[0]).save(tmp_path / "head")
+    specs = ["none", "hf-ar", "lookup", f"redrafter:{tmp_path / 'head'}@2x2"]
+    assert feature_layers(specs, tiny_target) == (0,)
+    assert feature_layers(specs[:3], tiny_target) == ()

@@ -165,8 +165,10 @@ class Bench:
         target.check_new_tokens(cfg.max_new_tokens)
         if cfg.compile_target and not target.compiled:
             from ..build import compile_target
+            from .specs import feature_layers
 
-            compile_target(target)  # minutes, untimed; peers keep the eager model (target.model)
+            # minutes, untimed; peers keep the eager model (target.model)
+            compile_target(target, layers=feature_layers(cfg.drafters, target))
             target.warmed()
         self.target = target
         self.datasets: dict[str, tuple] = {}  # spec -> (prompts, first-turn ids)

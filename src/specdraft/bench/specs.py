@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..drafters.registry import checkpoint_path, combined_parts
+from ..drafters.registry import build_drafter, checkpoint_path, combined_parts
 from ..errors import SpecdraftError
 from .methods import EngineMethod, Method
 from .peers import build_peer
@@ -70,6 +70,20 @@ def check_spec(spec: str) -> None:
         return
     raise SpecdraftError(f"unknown method {spec!r}; choose from none, auto, lookup, redrafter:PATH, medusa:PATH, "
                          "draft:PATH, retrieval:PATH, hf-ar, hf-assisted:PATH, hf-lookup")
+
+
+def feature_layers(specs: list[str], target) -> tuple[int, ...]:
+    """The target's inner layers the drafters of ``specs`` read, together, sorted (what a
+    packaged target's packages return, so that every method of a run shares one set:
+    ``aot.PackagedStep.route``). Peers read none."""
+    from ..drafters.registry import build_drafter
+
+    layers: set[int] = set()
+    for spec in specs:
+        base, _ = split_shape(spec)
+        if base.partition(":")[0] not in PEER_KINDS:
+            layers |= set(getattr(build_drafter(base, target), "feature_layers", ()))
+    return tuple(sorted(layers))
 
 
 def build_method(spec: str, target, beam_width=None, beam_length=None, gamma=None, policy=None) -> Method:
