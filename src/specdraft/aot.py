@@ -167,7 +167,9 @@ class PackagedStep:
             return None
         size = graphs.size_class(*args[0].shape)
         asked = (size.name, tuple(layers))
-        key = self.routes.get(asked) or self.routes.setdefault(asked, self.route(*asked))
+        if asked not in self.routes:
+            self.routes[asked] = self.route(*asked)
+        key = self.routes[asked]
         served = key[1]
         if key not in self.runners:
             runner = self._load(key)

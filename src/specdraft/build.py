@@ -66,11 +66,12 @@ COMPILE_CLASSES = ((1, (1, 2, 5)), (2, (1, 2)), (8, (1,)))
 
 def compile_target(target, backend: str = "inductor", layers: tuple[int, ...] = ()) -> None:
     """On a CPU with inductor: ``aot.compile_packaged`` (packages on disk, built or loaded as
-    ``warm_up`` meets their classes, each returning the inner ``layers`` the drafter reads). Otherwise ``Target.compile``, then compile the size classes
-    (``graphs``) the engine feeds before anything is timed or served: a prefill into an empty cache, then after a cached prefix one
-    row of 1, 2 and 5 tokens (one, few, many), two rows of 1 and 2 (few; both dimensions above
-    one) and eight rows of one token (many). Shapes met later still compile until ``warm_up``
-    ends with ``Target.warmed``."""
+    ``warm_up`` meets their classes, each returning the inner ``layers`` the drafter reads).
+    Otherwise ``Target.compile``, then compile the size classes (``graphs``) the engine feeds
+    before anything is timed or served: a prefill into an empty cache, then after a cached
+    prefix one row of 1, 2 and 5 tokens (one, few, many), two rows of 1 and 2 (few; both
+    dimensions above one) and eight rows of one token (many). Shapes met later still compile
+    until ``warm_up`` ends with ``Target.warmed``."""
     from .timing import prefill, time_forward
 
     if backend == "inductor" and target.device.type == "cpu":
@@ -90,8 +91,8 @@ def compile_target(target, backend: str = "inductor", layers: tuple[int, ...] = 
 
 def warm_up(engine) -> None:
     """Generate a little at batch 1 and at batch 2 (and 8 for a packaged target), so that a
-    compiled drafter or target compiles the shapes serving meets (a prompt, then steps feeding one and several tokens; torch.compile
-    specialises sizes 0 and 1) before the first request; after it a shape not seen yet runs
+    compiled drafter or target compiles the shapes serving meets (a prompt, then steps feeding
+    one and several tokens; torch.compile specialises sizes 0 and 1) before the first request; after it a shape not seen yet runs
     eager (``Drafter.warmed``). The policy is detached meanwhile: compiling takes seconds
     per shape, which must not reach its estimates of drafting cost. A compiled target
     compiles again while warming, even if an earlier engine's warm-up ended: a second drafter

@@ -76,8 +76,6 @@ def feature_layers(specs: list[str], target) -> tuple[int, ...]:
     """The target's inner layers the drafters of ``specs`` read, together, sorted (what a
     packaged target's packages return, so that every method of a run shares one set:
     ``aot.PackagedStep.route``). Peers read none."""
-    from ..drafters.registry import build_drafter
-
     layers: set[int] = set()
     for spec in specs:
         base, _ = split_shape(spec)
